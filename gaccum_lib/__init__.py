@@ -1,0 +1,44 @@
+"""gaccum_lib: the library behind the gaccum lessons on gradient accumulation.
+
+The modules follow the reading order of the notebooks:
+
+* :mod:`~gaccum_lib.data` -- the toy problems (regression, variable-length sequences, corpora)
+* :mod:`~gaccum_lib.strategies` -- how each strategy scales a micro-batch's loss
+* :mod:`~gaccum_lib.sharding` -- which micro-batches each process gets (as Accelerate decides)
+* :mod:`~gaccum_lib.simulate` -- train with any strategy on N simulated processes
+* :mod:`~gaccum_lib.launch` / :mod:`~gaccum_lib.accelerate_runs` -- the same with real Accelerate
+  in real processes
+
+Plots and widgets live in :mod:`gaccum_lib.plots` and :mod:`gaccum_lib.widgets` (they import
+matplotlib and ipywidgets, so they are not imported here).
+"""
+
+from .accelerate_runs import SYNC_MODES, accelerate_train, real_run
+from .compare import cmp, max_diff
+from .data import (
+    IGNORE_INDEX,
+    Problem,
+    count_target_tokens,
+    make_problem,
+    pad_and_stack,
+    seed_sequences,
+    sequence_corpus,
+    sequences_from_lengths,
+    toy_regression,
+)
+from .env import environment
+from .launch import LaunchError, launch, reset_accelerate_state
+from .lessons import LESSONS
+from .sharding import plan_windows, shard_batches
+from .simulate import Trajectory, compare_strategies, simulate
+from .strategies import LABELS, STRATEGIES, accelerate_backward_loss, plain_backward_loss
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "IGNORE_INDEX", "LABELS", "LESSONS", "STRATEGIES", "SYNC_MODES", "LaunchError", "Problem", "Trajectory",
+    "accelerate_backward_loss", "accelerate_train", "cmp", "compare_strategies", "count_target_tokens",
+    "environment", "launch", "make_problem", "max_diff", "pad_and_stack", "plain_backward_loss", "plan_windows",
+    "real_run", "reset_accelerate_state", "seed_sequences", "sequence_corpus", "sequences_from_lengths",
+    "shard_batches", "simulate", "toy_regression",
+]

@@ -1,0 +1,201 @@
+"""The same training as the simulator, for real: ``Accelerator``, DDP, gather, ``no_sync``.
+
+:func:`accelerate_train` is the training function a launched process runs (it also runs
+as a plain script under ``torchrun`` / ``accelerate launch``, see
+``scripts/train_accumulation.py``). :func:`real_run` launches it in N processes and
+returns a :class:`~gaccum_lib.simulate.Trajectory` built from every rank's record, so it
+can be compared number for number with :func:`~gaccum_lib.simulate.simulate`.
+
+The loop is the window-first loop that correct token normalisation needs: fetch the
+whole window of micro-batches, count its targets, gather the count over the ranks, then
+run every micro-batch, skipping the all-reduce (``no_sync``) on all but the last one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import itertools
+import math
+
+import numpy as np
+import torch
+
+from ._checks import check_choice
+from .data import Problem, make_problem
+from .launch import launch
+from .sharding import plan_windows
+from .simulate import Trajectory, check_training_args, flat_weights
+from .strategies import accelerate_backward_loss, check_strategy
+
+# How each micro-batch of a window decides whether to all-reduce its gradients.
+SYNC_MODES = {
+    "no_sync": "forward and backward inside model.no_sync() for all but the window's last micro-batch",
+    "every_step": "no no_sync at all: an all-reduce after every micro-batch (correct, slower)",
+    "accumulate": "accelerator.accumulate(model) decides",
+    "backward_only": "pitfall: only the backward inside no_sync(), the forward outside",
+    "inverted": "pitfall: no_sync() on the last micro-batch, sync on the others",
+}
+
+
+def _sync_context(sync_mode, accelerator, model, is_last):
+    if accelerator.num_processes == 1 or sync_mode == "every_step":
+        return contextlib.nullcontext()
+    if sync_mode == "accumulate":
+        return accelerator.accumulate(model)
+    if sync_mode == "backward_only":
+        return contextlib.nullcontext()  # the forward runs outside no_sync; see the backward below
+    if sync_mode == "inverted":
+        return model.no_sync() if is_last else contextlib.nullcontext()
+    return contextlib.nullcontext() if is_last else model.no_sync()
+
+
+def _count_allreduce_rounds(model, counter: dict) -> None:
+    """Register a DDP comm hook that all-reduces as usual and counts how often it runs."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    def counting_hook(process_group, bucket):
+        counter["buckets"] += 1
+        if bucket.index() == 0:  # one all-reduce round may use several buckets: count rounds once
+            counter["rounds"] += 1
+        return allreduce_hook(process_group, bucket)
+
+    model.register_comm_hook(None, counting_hook)
+
+
+def accelerate_train(
+    problem_spec: dict,
+    strategy: str,
+    *,
+    grad_accum_steps: int,
+    micro_batch_size: int,
+    lr: float = 0.08,
+    epochs: int = 1,
+    sync_mode: str = "no_sync",
+    even_batches: bool = True,
+    cpu: bool | None = None,
+    verbose: bool = False,
+) -> dict:
+    """Train with Accelerate in this process (one rank of a launch); return this rank's record."""
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.utils import InitProcessGroupKwargs
+
+    problem = make_problem(problem_spec)
+    check_strategy(strategy, allow_full_batch=False)
+    check_training_args(problem, grad_accum_steps, micro_batch_size, 1, lr, epochs)
+    check_choice("sync_mode", sync_mode, tuple(SYNC_MODES))
+
+    accelerator = Accelerator(
+        gradient_accumulation_steps=grad_accum_steps,
+        cpu=cpu if cpu is not None else not torch.cuda.is_available(),
+        dataloader_config=DataLoaderConfiguration(even_batches=even_batches),
+        # A rank that waits for a crashed peer gives up after a minute instead of 30.
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=60))],
+    )
+    world = accelerator.num_processes
+    # Fail before training if the ranks would disagree on the number of updates (a hang).
+    plan_windows(len(problem), micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps,
+                 num_processes=world, even_batches=even_batches)
+
+    model = problem.make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    loader = torch.utils.data.DataLoader(problem, batch_size=micro_batch_size, collate_fn=problem.collate)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    counter = {"rounds": 0, "buckets": 0}
+    if world > 1:
+        _count_allreduce_rounds(model, counter)
+
+    weights = [flat_weights(accelerator.unwrap_model(model))]
+    local_counts, window_counts, losses, rounds_per_update = [], [], [], []
+    for _ in range(epochs):
+        batches = iter(loader)
+        for _update in range(math.ceil(len(loader) / grad_accum_steps)):
+            # Fetch the whole window first: its target count must be known before any backward.
+            window = list(itertools.islice(batches, grad_accum_steps))
+            local_terms = sum(problem.count_targets(b) for b in window)
+            window_terms = int(accelerator.gather(torch.tensor([local_terms], device=accelerator.device)).sum())
+            rounds_before = counter["rounds"]
+            loss_sum_local = 0.0
+            for i, batch in enumerate(window):
+                with _sync_context(sync_mode, accelerator, model, is_last=i == len(window) - 1):
+                    loss_sum, num_terms = problem.loss_sum_and_count(model, batch)
+                    loss = accelerate_backward_loss(
+                        strategy, loss_sum, num_terms, window_terms=window_terms, local_window_terms=local_terms,
+                        grad_accum_steps=grad_accum_steps, num_processes=world)
+                    if sync_mode == "backward_only" and world > 1 and i < len(window) - 1:
+                        with model.no_sync():
+                            accelerator.backward(loss)
+                    else:
+                        accelerator.backward(loss)
+                loss_sum_local += float(loss_sum.detach())
+            optimizer.step()
+            optimizer.zero_grad()
+            window_loss = accelerator.gather(torch.tensor([loss_sum_local], device=accelerator.device)).sum()
+            losses.append(float(window_loss) / window_terms)
+            local_counts.append(local_terms)
+            window_counts.append(window_terms)
+            rounds_per_update.append(counter["rounds"] - rounds_before)
+            weights.append(flat_weights(accelerator.unwrap_model(model)))
+            if verbose:
+                print(f"rank {accelerator.process_index}: update {len(losses)} local targets {local_terms} "
+                      f"of {window_terms}", flush=True)
+
+    return {
+        "rank": accelerator.process_index,
+        "num_processes": world,
+        "distributed_type": str(accelerator.distributed_type),
+        "device": str(accelerator.device),
+        "weights": np.stack(weights),
+        "losses": np.asarray(losses),
+        "local_counts": np.asarray(local_counts, dtype=np.int64),
+        "window_counts": np.asarray(window_counts, dtype=np.int64),
+        "allreduce_rounds_per_update": np.asarray(rounds_per_update, dtype=np.int64),
+    }
+
+
+def trajectory_from_ranks(records: list[dict], *, strategy, grad_accum_steps, micro_batch_size, lr) -> Trajectory:
+    """Combine the per-rank records of :func:`accelerate_train` into one :class:`Trajectory`."""
+    records = sorted(records, key=lambda r: r["rank"])
+    first = records[0]
+    return Trajectory(
+        strategy=strategy, grad_accum_steps=grad_accum_steps, num_processes=first["num_processes"],
+        micro_batch_size=micro_batch_size, lr=float(lr), weights=first["weights"], losses=first["losses"],
+        token_counts=np.stack([r["local_counts"] for r in records], axis=1),
+        rank_final_weights=np.stack([r["weights"][-1] for r in records]),
+        source=f"accelerate ({first['distributed_type']}, {len(records)} process(es))",
+        extras={"ranks": records,
+                "allreduce_rounds_per_update": np.stack([r["allreduce_rounds_per_update"] for r in records])},
+    )
+
+
+def real_run(
+    problem: Problem,
+    strategy: str,
+    *,
+    grad_accum_steps: int,
+    micro_batch_size: int,
+    num_processes: int = 2,
+    lr: float = 0.08,
+    epochs: int = 1,
+    sync_mode: str = "no_sync",
+    even_batches: bool = True,
+    device: str = "auto",
+    verbose: bool = False,
+) -> Trajectory:
+    """Launch :func:`accelerate_train` in ``num_processes`` real processes; return the combined trajectory."""
+    check_strategy(strategy, allow_full_batch=False)
+    check_training_args(problem, grad_accum_steps, micro_batch_size, num_processes, lr, epochs)
+    check_choice("sync_mode", sync_mode, tuple(SYNC_MODES))
+    plan_windows(len(problem), micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps,
+                 num_processes=num_processes, even_batches=even_batches)
+    kwargs = dict(grad_accum_steps=grad_accum_steps, micro_batch_size=micro_batch_size, lr=lr, epochs=epochs,
+                  sync_mode=sync_mode, even_batches=even_batches, verbose=verbose)
+    records = launch(_train_entry, (problem.spec, strategy, kwargs), num_processes=num_processes, device=device,
+                     quiet=not verbose)
+    return trajectory_from_ranks(records, strategy=strategy, grad_accum_steps=grad_accum_steps,
+                                 micro_batch_size=micro_batch_size, lr=lr)
+
+
+def _train_entry(problem_spec, strategy, kwargs):
+    return accelerate_train(problem_spec, strategy, **kwargs)
+
