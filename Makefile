@@ -1,0 +1,84 @@
+# gaccum: two commands from a fresh clone.
+#   make lab    environment + JupyterLab on 127.0.0.1 (token auth)
+#   make test   environment + every check (lint, unit tests, notebooks)
+#
+# The environment is .venv, built from requirements/lock.txt (exact pins) plus torch, whose
+# build depends on the machine: CPU by default, so no CUDA package lands on a machine
+# without a GPU. A GPU user picks a CUDA build, e.g. `make lab TORCH_VARIANT=cu128`.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.gaccum-installed
+TORCH_VERSION := 2.13.0
+TORCH_VARIANT ?= cpu
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/$(TORCH_VARIANT)
+LAB_PORT ?= 8888
+# Notebooks run in parallel under pytest-xdist; `make test NB_WORKERS=0` runs them one by one.
+NB_WORKERS ?= 2
+EXECUTED := build/executed
+
+.PHONY: help env lab test lint unit notebooks strip lock clean
+
+help:
+	@echo "make lab    - set up .venv (first time only) and start JupyterLab on http://127.0.0.1:$(LAB_PORT)"
+	@echo "make test   - set up .venv (first time only) and run lint, unit tests and every notebook"
+	@echo "make strip  - remove outputs from the notebooks (the committed form)"
+	@echo "make lock   - re-resolve requirements/top-level.txt into requirements/lock.txt and environment.yml"
+
+env: $(STAMP)
+
+# Rebuilt only when the pins or the package metadata change: a second `make lab` installs nothing.
+# This machine's pip.conf names index folders that do not exist; drop pip's warning about each.
+QUIET_PIP := sed -u '/is ignored: it is neither a file nor a directory/d'
+
+$(STAMP): requirements/lock.txt pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "gaccum needs Python 3.10 or newer, found " + sys.version.split()[0])'
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo ">> installing torch $(TORCH_VERSION)+$(TORCH_VARIANT) (from a local wheel if pip finds one, else $(TORCH_INDEX_URL))"
+	@$(PY) -m pip install --quiet --no-deps --no-index "torch==$(TORCH_VERSION)+$(TORCH_VARIANT)" 2>/dev/null \
+	  || $(PY) -m pip install --quiet --no-deps --index-url $(TORCH_INDEX_URL) "torch==$(TORCH_VERSION)+$(TORCH_VARIANT)" 2>&1 | $(QUIET_PIP)
+	@echo ">> installing the pinned dependencies (requirements/lock.txt)"
+	@$(PY) -m pip install --quiet -r requirements/lock.txt 2>&1 | $(QUIET_PIP)
+	@$(PY) -m pip install --quiet --no-deps -e . 2>&1 | $(QUIET_PIP)
+	@$(PY) -m pip check
+	@touch $(STAMP)
+
+lab: $(STAMP)
+	@echo ">> JupyterLab on 127.0.0.1:$(LAB_PORT); open the URL with the token that it prints below"
+	$(VENV)/bin/jupyter lab --no-browser --ServerApp.ip=127.0.0.1 --ServerApp.port=$(LAB_PORT) \
+	  --ServerApp.root_dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root,)
+
+test: lint unit notebooks
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check gaccum_lib tests scripts notebooks
+	$(PY) scripts/check_notebooks.py notebooks
+
+unit: $(STAMP)
+	$(PY) -m pytest tests -q -m "not notebooks" -p no:cacheprovider
+
+# Executes copies of the notebooks (nbmake keeps their outputs there), then checks what the
+# executed outputs show: the reference figures must appear, not just the asserts pass.
+notebooks: $(STAMP)
+	rm -rf $(EXECUTED) && mkdir -p $(EXECUTED) && cp notebooks/*.ipynb $(EXECUTED)/
+	$(PY) -m pytest --nbmake --overwrite $(if $(filter 0,$(NB_WORKERS)),,-n $(NB_WORKERS)) \
+	  -p no:cacheprovider -q $(EXECUTED)/*.ipynb
+	$(PY) -m pytest tests -q -m notebooks -p no:cacheprovider
+
+strip: $(STAMP)
+	$(PY) scripts/check_notebooks.py --strip notebooks
+
+lock:
+	rm -rf build/lockenv && $(PYTHON) -m venv build/lockenv
+	build/lockenv/bin/pip install --quiet "torch==$(TORCH_VERSION)+cpu" -r requirements/top-level.txt
+	{ head -n 2 requirements/lock.txt; build/lockenv/bin/pip freeze | grep -v -E '^(torch==|-e )'; } > requirements/lock.tmp
+	mv requirements/lock.tmp requirements/lock.txt
+	$(PYTHON) scripts/sync_environment.py
+
+clean:
+	rm -rf build .pytest_cache

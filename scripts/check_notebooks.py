@@ -1,0 +1,96 @@
+"""Enforce the notebook policy: committed notebooks carry no outputs and follow the lesson shape.
+
+    python scripts/check_notebooks.py notebooks          # check, exit 1 with a list of problems
+    python scripts/check_notebooks.py --strip notebooks  # remove outputs and volatile metadata
+
+Policy (why): outputs are produced by `make test` / `make html`, never committed, so diffs
+stay readable and nothing stale is shown as if it were current. Every lesson opens with what
+you will learn, prerequisites and run time, ends with a summary and exercises, starts with a
+cell that explains how to get a working kernel, and asserts what its prose claims.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+KEPT_METADATA = ("kernelspec", "language_info", "execution")
+OPENING = ("What you will learn", "Prerequisites", "Run time")
+CLOSING = ("Summary", "Exercises")
+
+
+def problems_of(path: Path) -> list[str]:
+    try:
+        nb = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        return [f"cannot be read as JSON: {exc}"]
+    found = []
+    if nb.get("nbformat") != 4:
+        found.append(f"nbformat must be 4, found {nb.get('nbformat')}")
+    if nb.get("metadata", {}).get("kernelspec", {}).get("name") != "python3":
+        found.append("kernelspec name must be python3")
+    extra = sorted(set(nb.get("metadata", {})) - set(KEPT_METADATA))
+    if extra:
+        found.append(f"notebook metadata has {extra}: run `make strip`")
+    cells = nb.get("cells", [])
+    code = [c for c in cells if c.get("cell_type") == "code"]
+    markdown = ["".join(c.get("source", "")) for c in cells if c.get("cell_type") == "markdown"]
+    for i, cell in enumerate(code):
+        if cell.get("outputs"):
+            found.append(f"code cell {i} has outputs: run `make strip`")
+        if cell.get("execution_count") is not None:
+            found.append(f"code cell {i} has an execution count: run `make strip`")
+    sources = ["".join(c.get("source", "")) for c in code]
+    if not any("assert" in s for s in sources):
+        found.append("no assert in any code cell: nbmake would pass it whatever it shows")
+    if not sources or "make lab" not in sources[0]:
+        found.append("the first code cell must catch a missing gaccum_lib and say to run `make lab`")
+    if not markdown or not all(h in markdown[0] for h in OPENING):
+        found.append(f"the first markdown cell must name: {', '.join(OPENING)}")
+    for heading in CLOSING:
+        if not any(f"## {heading}" in m for m in markdown):
+            found.append(f"missing a '## {heading}' section")
+    return found
+
+
+def strip(path: Path) -> bool:
+    nb = json.loads(path.read_text())
+    before = json.dumps(nb, sort_keys=True)
+    nb["metadata"] = {k: v for k, v in nb.get("metadata", {}).items() if k in KEPT_METADATA}
+    for cell in nb.get("cells", []):
+        if cell.get("cell_type") == "code":
+            cell["outputs"] = []
+            cell["execution_count"] = None
+        cell.setdefault("metadata", {}).pop("execution", None)
+    changed = json.dumps(nb, sort_keys=True) != before
+    if changed:
+        path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+    return changed
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folders", nargs="+", type=Path)
+    parser.add_argument("--strip", action="store_true", help="remove outputs instead of checking")
+    args = parser.parse_args(argv)
+    paths = sorted(p for folder in args.folders for p in folder.glob("*.ipynb"))
+    if not paths:
+        print(f"no notebooks found in {', '.join(map(str, args.folders))}", file=sys.stderr)
+        return 1
+    if args.strip:
+        for p in paths:
+            print(f"{'stripped' if strip(p) else 'clean   '} {p}")
+        return 0
+    failures = {str(p): problems_of(p) for p in paths}
+    failures = {p: f for p, f in failures.items() if f}
+    for p, found in failures.items():
+        for problem in found:
+            print(f"{p}: {problem}")
+    print(f"{len(paths)} notebooks checked, {len(failures)} with problems")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

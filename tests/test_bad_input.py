@@ -1,0 +1,132 @@
+"""Bad input fails loudly, naming the argument and what would be accepted."""
+
+import pytest
+import torch
+
+from gaccum_lib import (
+    launch,
+    pad_and_stack,
+    plain_backward_loss,
+    plan_windows,
+    real_run,
+    seed_sequences,
+    sequence_corpus,
+    sequences_from_lengths,
+    simulate,
+    toy_regression,
+)
+from gaccum_lib.data import make_problem
+from gaccum_lib.launch import choose_device, cpu_process_limit
+
+SEQ = seed_sequences(8)
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    ({"grad_accum_steps": 0}, ValueError, r"grad_accum_steps must be in \[1, 4096\], got 0"),
+    ({"grad_accum_steps": 2.0}, TypeError, "grad_accum_steps must be an int, got float"),
+    ({"grad_accum_steps": True}, TypeError, "grad_accum_steps must be an int, got bool"),
+    ({"num_processes": 0}, ValueError, r"num_processes must be in \[1, 1024\], got 0"),
+    ({"micro_batch_size": 0}, ValueError, r"micro_batch_size must be in \[1, 8\], got 0"),
+    ({"micro_batch_size": 9}, ValueError, r"micro_batch_size must be in \[1, 8\], got 9"),
+    ({"lr": 0.0}, ValueError, r"lr must be in \(0.0, 1000.0\], got 0.0"),
+    ({"lr": float("nan")}, ValueError, "lr must be a finite number"),
+    ({"lr": "0.1"}, TypeError, "lr must be a number, got str"),
+    ({"epochs": 0}, ValueError, r"epochs must be in \[1, 10000\], got 0"),
+])
+def test_simulate_rejects_bad_arguments(kwargs, error, message):
+    base = {"grad_accum_steps": 2, "micro_batch_size": 4}
+    with pytest.raises(error, match=message):
+        simulate(SEQ, "token_normalised", **{**base, **kwargs})
+
+
+def test_unknown_strategy_lists_the_choices():
+    with pytest.raises(ValueError, match="strategy must be one of full_batch, mean_of_means, .*got 'mean'"):
+        simulate(SEQ, "mean", grad_accum_steps=2, micro_batch_size=4)
+
+
+def test_problem_must_be_a_problem():
+    with pytest.raises(TypeError, match="problem must be a gaccum_lib Problem"):
+        simulate([1, 2, 3], "full_batch", grad_accum_steps=1, micro_batch_size=1)
+
+
+def test_empty_datasets_are_refused():
+    with pytest.raises(ValueError, match="lengths must hold at least one length"):
+        sequences_from_lengths([])
+    with pytest.raises(ValueError, match="num_points must be in"):
+        toy_regression(num_points=0)
+    with pytest.raises(ValueError, match="num_sequences must be in"):
+        sequence_corpus(num_sequences=0)
+    with pytest.raises(ValueError, match="examples must hold at least one item"):
+        pad_and_stack([])
+
+
+def test_zero_length_sequence_is_refused():
+    with pytest.raises(ValueError, match=r"lengths\[1\] must be in \[1, 100000\], got 0"):
+        sequences_from_lengths([3, 0, 2])
+
+
+def test_spread_outside_0_1():
+    with pytest.raises(ValueError, match=r"spread must be in \[0.0, 1.0\], got 1.5"):
+        sequence_corpus(spread=1.5)
+
+
+def test_window_without_target_tokens():
+    with pytest.raises(ValueError, match="window_terms=0: the window has no target token"):
+        plain_backward_loss("token_normalised", torch.tensor(0.0), 0, window_terms=0, local_window_terms=0,
+                            grad_accum_steps=2)
+    with pytest.raises(ValueError, match="num_terms=0"):
+        plain_backward_loss("mean_of_means", torch.tensor(0.0), 0, window_terms=3, local_window_terms=3,
+                            grad_accum_steps=2)
+
+
+def test_all_padding_window_is_reported_with_its_update_number():
+    problem = seed_sequences(4)
+    all_padding = {"input_ids": torch.full((2,), -100.0), "labels": torch.full((2,), -100)}
+    problem = type(problem)(name="padding", examples=(*problem.examples, all_padding, all_padding))
+    with pytest.raises(ValueError, match="update 2 has no target token in its window"):
+        simulate(problem, "token_normalised", grad_accum_steps=2, micro_batch_size=1)
+
+
+def test_mismatched_shapes_in_a_batch():
+    bad = {"input_ids": torch.arange(1.0, 4.0), "labels": torch.tensor([1, 0])}
+    with pytest.raises(ValueError, match="input_ids and labels must have the same shape"):
+        pad_and_stack([bad])
+
+
+def test_make_problem_names_the_kinds():
+    with pytest.raises(ValueError, match="spec\\['kind'\\] must be one of .*got 'imagenet'"):
+        make_problem({"kind": "imagenet"})
+    with pytest.raises(TypeError, match="spec must be a dict with a 'kind' key"):
+        make_problem("seed_sequences")
+
+
+def test_plan_rejects_bad_sizes():
+    with pytest.raises(ValueError, match=r"num_examples must be in \[1, inf\), got 0"):
+        plan_windows(0, micro_batch_size=1, grad_accum_steps=1)
+
+
+def test_too_many_cpu_processes_says_the_limit():
+    limit = cpu_process_limit()
+    with pytest.raises(ValueError, match=rf"num_processes={limit + 1} is more than makes sense .*\[1, {limit}\]"):
+        choose_device(limit + 1, "cpu")
+
+
+def test_more_gpus_than_the_machine_has():
+    with pytest.raises(ValueError, match=r"GPUs requested but this machine has \d+"):
+        choose_device(64, "gpu")
+
+
+def test_real_run_rejects_full_batch_and_bad_sync_mode_before_launching():
+    with pytest.raises(ValueError, match="strategy must be one of mean_of_means"):
+        real_run(SEQ, "full_batch", grad_accum_steps=2, micro_batch_size=4)
+    with pytest.raises(ValueError, match="sync_mode must be one of no_sync, every_step"):
+        real_run(SEQ, "token_normalised", grad_accum_steps=2, micro_batch_size=4, sync_mode="sometimes")
+
+
+def test_launch_checks_its_arguments():
+    with pytest.raises(TypeError, match="function must be callable"):
+        launch("train")
+    with pytest.raises(TypeError, match="args must be a tuple"):
+        launch(print, [1])
+    with pytest.raises(ValueError, match="device must be one of auto, cpu, gpu"):
+        launch(print, (), device="tpu")

@@ -1,0 +1,110 @@
+"""The environment the Makefile builds: pins, CPU-only torch, environment.yml, JupyterLab security."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+import torch
+
+from gaccum_lib import environment
+from gaccum_lib.launch import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _lock_pins():
+    lines = (ROOT / "requirements" / "lock.txt").read_text().splitlines()
+    return {line.split("==")[0].lower(): line.split("==")[1] for line in lines if line and not line.startswith("#")}
+
+
+def _environment_yml_pins():
+    text = (ROOT / "environment.yml").read_text()
+    pins = re.findall(r"^\s+- ([A-Za-z0-9_.\-\[\]]+)==(\S+)$", text, flags=re.M)
+    return {name.lower(): version for name, version in pins}
+
+
+def _makefile_torch():
+    return re.search(r"^TORCH_VERSION := (\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+
+
+def test_environment_yml_carries_exactly_the_lock_pins_plus_torch():
+    yml = _environment_yml_pins()
+    torch_pin = yml.pop("torch")
+    assert torch_pin == f"{_makefile_torch()}+cpu"
+    assert yml == _lock_pins()
+
+
+def test_every_lock_pin_is_what_is_installed():
+    wrong = {name: (pin, metadata.version(name)) for name, pin in _lock_pins().items()
+             if metadata.version(name) != pin}
+    assert wrong == {}
+
+
+def test_torch_is_the_pinned_cpu_build_and_no_cuda_package_is_installed():
+    assert torch.__version__.split("+")[0] == _makefile_torch()
+    env = environment()
+    if env.gpus == 0:
+        assert torch.version.cuda is None, "a CUDA build of torch on a machine without GPU"
+        assert env.cuda_packages == ()
+
+
+def test_lock_does_not_pin_torch_so_gpu_users_can_choose_a_build():
+    assert "torch" not in _lock_pins()
+
+
+def test_environment_table_lists_versions():
+    table = environment().table()
+    assert re.search(rf"^torch\s+{re.escape(torch.__version__)}$", table, re.M)
+    assert re.search(rf"^accelerate\s+{re.escape(metadata.version('accelerate'))}$", table, re.M)
+
+
+def test_a_second_make_env_has_nothing_to_do():
+    assert (ROOT / ".venv" / ".gaccum-installed").exists(), "run the tests through `make test`"
+    result = subprocess.run(["make", "-q", "env"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, "make env would reinstall although nothing changed"
+    dry = subprocess.run(["make", "-n", "lab"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "pip install" not in dry
+
+
+def test_make_lab_binds_localhost_and_never_disables_the_token():
+    dry = subprocess.run(["make", "-n", "lab"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "--ServerApp.ip=127.0.0.1" in dry
+    assert "token=''" not in dry and 'token=""' not in dry and "0.0.0.0" not in dry
+
+
+def test_jupyterlab_started_like_make_lab_refuses_requests_without_the_token(tmp_path):
+    port = free_port()
+    token = "gaccum-test-token"
+    args = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.port={port}", f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={ROOT / 'notebooks'}"]
+    if os.geteuid() == 0:
+        args.append("--allow-root")
+    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path), "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg")}
+    server = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}/api/contents"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}?token={token}", timeout=2) as response:
+                    assert response.status == 200
+                    break
+            except (urllib.error.URLError, ConnectionError):
+                assert time.monotonic() < deadline, "JupyterLab did not start within 60 s"
+                time.sleep(0.5)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(url, timeout=5)
+        assert refused.value.code == 403
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)

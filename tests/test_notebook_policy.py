@@ -1,0 +1,55 @@
+"""The committed notebooks follow the policy, and the policy checker catches violations."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from gaccum_lib.lessons import LESSONS, lesson_table
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECKER = [sys.executable, str(ROOT / "scripts" / "check_notebooks.py")]
+
+
+def test_committed_notebooks_pass_the_policy():
+    result = subprocess.run([*CHECKER, str(ROOT / "notebooks")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+
+
+def test_checker_flags_outputs_and_strip_removes_them(tmp_path):
+    source = ROOT / "notebooks" / "00_start_here.ipynb"
+    copy = tmp_path / source.name
+    shutil.copy(source, copy)
+    nb = json.loads(copy.read_text())
+    code = next(c for c in nb["cells"] if c["cell_type"] == "code")
+    code["outputs"] = [{"output_type": "stream", "name": "stdout", "text": ["stale\n"]}]
+    code["execution_count"] = 7
+    nb["metadata"]["widgets"] = {"state": {}}
+    copy.write_text(json.dumps(nb))
+    flagged = subprocess.run([*CHECKER, str(tmp_path)], capture_output=True, text=True)
+    assert flagged.returncode == 1
+    assert "has outputs" in flagged.stdout and "execution count" in flagged.stdout and "'widgets'" in flagged.stdout
+    subprocess.run([*CHECKER, "--strip", str(tmp_path)], check=True, capture_output=True)
+    assert subprocess.run([*CHECKER, str(tmp_path)], capture_output=True).returncode == 0
+
+
+def test_checker_requires_asserts_and_the_lesson_shape(tmp_path):
+    nb = {"nbformat": 4, "nbformat_minor": 5, "metadata": {"kernelspec": {"name": "python3"}},
+          "cells": [{"cell_type": "code", "metadata": {}, "source": ["print(1)"], "outputs": [],
+                     "execution_count": None}]}
+    (tmp_path / "bad.ipynb").write_text(json.dumps(nb))
+    out = subprocess.run([*CHECKER, str(tmp_path)], capture_output=True, text=True).stdout
+    assert "no assert" in out and "make lab" in out and "What you will learn" in out and "## Summary" in out
+
+
+def test_the_lesson_map_matches_the_notebooks_on_disk():
+    on_disk = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
+    assert [lesson.notebook for lesson in LESSONS] == on_disk
+    assert lesson_table().count("\n") == len(LESSONS) + 1
+
+
+def test_readme_lesson_table_is_the_lesson_map():
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("<!-- lessons:start -->\n", 1)[1].split("\n<!-- lessons:end -->", 1)[0]
+    assert block == lesson_table()
