@@ -1,0 +1,223 @@
+"""Interactive explorers for the lessons: sliders that recompute and redraw a plot in place.
+
+An :class:`Explorer` owns some controls, a ``compute(**values)`` function and a
+``draw(result, figure)`` function. On every change it recomputes, redraws the figure and
+puts the PNG into an ``ipywidgets.Image`` -- so the plot changes in place, the static site
+keeps the last picture in the saved widget state, and a test can read everything from
+:attr:`Explorer.state` (nbmake never sees widget output, and exceptions raised inside widget
+callbacks never fail a cell on their own).
+
+Bad values never break the widget: the error is shown under the controls, recorded in
+``state.error``, and the last good plot stays. With ``strict=True`` (tests) it is re-raised.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import html
+import io
+import time
+from dataclasses import dataclass, field
+
+import ipywidgets as widgets
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from . import plots
+from .simulate import simulate
+
+DPI = 72  # a widget answers in well under 200 ms at this resolution (see `make bench`)
+
+
+@dataclass
+class ExplorerState:
+    """Everything an explorer did, for tests and benchmarks to read."""
+
+    values: dict
+    result: object = None
+    error: str | None = None
+    summary: str = ""
+    refreshes: int = 0
+    image_digest: str = ""
+    compute_ms: list = field(default_factory=list)
+    draw_ms: list = field(default_factory=list)
+
+    @property
+    def answer_ms(self) -> list:
+        """Compute + redraw time of every refresh, in milliseconds."""
+        return [c + d for c, d in zip(self.compute_ms, self.draw_ms, strict=True)]
+
+
+class Explorer:
+    """Controls -> compute -> draw, redrawn in place on every change."""
+
+    def __init__(self, controls: dict, compute, draw, *, summarize=None, title: str = "",
+                 figsize=(10, 4.4), strict: bool = False):
+        if not controls:
+            raise ValueError("controls must hold at least one widget")
+        self.controls = dict(controls)
+        self.compute = compute
+        self.draw = draw
+        self.summarize = summarize
+        self.strict = strict
+        self.figure = Figure(figsize=figsize, dpi=DPI)
+        FigureCanvasAgg(self.figure)
+        self.image = widgets.Image(format="png", layout=widgets.Layout(max_width="100%"))
+        self.message = widgets.HTML()
+        self.caption = widgets.HTML()
+        header = [widgets.HTML(f"<b>{html.escape(title)}</b>")] if title else []
+        self.widget = widgets.VBox([*header, widgets.HBox(list(self.controls.values()),
+                                                           layout=widgets.Layout(flex_flow="row wrap")),
+                                    self.message, self.image, self.caption])
+        self.state = ExplorerState(values=self.values)
+        self._holding = False
+        for control in self.controls.values():
+            control.observe(self._on_change, names="value")
+        self.refresh()
+
+    @property
+    def values(self) -> dict:
+        return {name: control.value for name, control in self.controls.items()}
+
+    def _on_change(self, _change) -> None:
+        if not self._holding:
+            self.refresh()
+
+    def set(self, **values) -> ExplorerState:
+        """Set several controls at once (one recompute), as a learner moving sliders would."""
+        unknown = sorted(set(values) - set(self.controls))
+        if unknown:
+            raise ValueError(f"unknown control(s) {unknown}; this explorer has {sorted(self.controls)}")
+        self._holding = True
+        try:
+            for name, value in values.items():
+                self.controls[name].value = value
+        finally:
+            self._holding = False
+        self.refresh()
+        return self.state
+
+    def refresh(self) -> None:
+        values = self.values
+        self.state.values = values
+        start = time.perf_counter()
+        try:
+            result = self.compute(**values)
+        except (ValueError, TypeError) as exc:
+            self.state.error = str(exc)
+            self.message.value = f"<span style='color:#D55E00'>&#9888; {html.escape(str(exc))}</span>"
+            if self.strict:
+                raise
+            return
+        computed = time.perf_counter()
+        self.figure.clf()
+        self.draw(result, self.figure)
+        buffer = io.BytesIO()
+        self.figure.savefig(buffer, format="png", dpi=DPI)
+        self.image.value = buffer.getvalue()
+        drawn = time.perf_counter()
+        self.state.result = result
+        self.state.error = None
+        self.message.value = ""
+        self.state.summary = self.summarize(result) if self.summarize else ""
+        self.caption.value = f"<i>{html.escape(self.state.summary)}</i>" if self.state.summary else ""
+        self.state.refreshes += 1
+        self.state.image_digest = hashlib.sha1(self.image.value).hexdigest()
+        self.state.compute_ms.append((computed - start) * 1000)
+        self.state.draw_ms.append((drawn - computed) * 1000)
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget)
+
+
+# ----------------------------------------------------------------------------------------------
+# Explorers used by the lessons.
+# ----------------------------------------------------------------------------------------------
+
+def _slider(description, value, minimum, maximum, step=1, **kwargs):
+    style = {"description_width": "initial"}
+    return widgets.IntSlider(value=value, min=minimum, max=maximum, step=step, description=description,
+                             continuous_update=False, style=style, **kwargs)
+
+
+def _fslider(description, value, minimum, maximum, step, **kwargs):
+    return widgets.FloatSlider(value=value, min=minimum, max=maximum, step=step, description=description,
+                               continuous_update=False, style={"description_width": "initial"}, **kwargs)
+
+
+def regression_explorer(*, strict: bool = False) -> Explorer:
+    """Lesson 1: the toy regression with and without dividing by GA, over several epochs."""
+    from .data import toy_regression
+
+    problem = toy_regression()
+
+    def compute(grad_accum_steps, lr, epochs):
+        if 8 % grad_accum_steps:
+            raise ValueError(f"grad_accum_steps must divide the 8 points (1, 2, 4 or 8), got {grad_accum_steps}")
+        kwargs = dict(grad_accum_steps=grad_accum_steps, micro_batch_size=8 // grad_accum_steps, lr=lr,
+                      epochs=epochs)
+        return {"full batch": simulate(problem, "full_batch", **kwargs),
+                "plain: loss / GA": simulate(problem, "mean_of_means", **kwargs),
+                "forgot / GA": simulate(problem, "sum_of_means", **kwargs)}
+
+    def draw(result, figure):
+        left, right = figure.subplots(1, 2)
+        plots.plot_weight_path(problem, result, ax=left, legend=False)
+        plots.plot_weight_trajectories(result, ax=right, legend=False)
+        right.axhline(2.0, color="0.5", linewidth=1)
+        plots.legend_below(figure, right)
+
+    def summarize(result):
+        full, plain, forgot = (result[k].final_weights[0] for k in result)
+        return (f"After {result['full batch'].num_updates} updates: full batch w = {full:.4f}, "
+                f"plain accumulation w = {plain:.4f}, forgetting / GA w = {forgot:.4g} (target 2).")
+
+    controls = {"grad_accum_steps": widgets.Dropdown(options=[1, 2, 4, 8], value=4, description="GA"),
+                "lr": _fslider("learning rate", 0.02, 0.002, 0.03, 0.002, readout_format=".3f"),
+                "epochs": _slider("epochs", 3, 1, 10)}
+    return Explorer(controls, compute, draw, summarize=summarize, strict=strict,
+                    title="Toy regression: accumulate with and without / GA")
+
+
+def variable_length_explorer(*, strict: bool = False, num_sequences: int = 64) -> Explorer:
+    """Lessons 3 and 4: naive vs token-normalised on a corpus with a length spread, N simulated ranks."""
+    from .data import sequence_corpus
+
+    def compute(grad_accum_steps, micro_batch_size, num_processes, spread, lr):
+        problem = sequence_corpus(num_sequences, mean_length=8.0, spread=spread)
+        kwargs = dict(grad_accum_steps=grad_accum_steps, micro_batch_size=micro_batch_size,
+                      num_processes=num_processes, lr=lr)
+        trajectories = {s: simulate(problem, s, **kwargs) for s in ("full_batch", "mean_of_means", "token_normalised")}
+        return problem, trajectories
+
+    def draw(result, figure):
+        problem, trajectories = result
+        left, right = figure.subplots(1, 2)
+        plots.plot_weight_path(problem, trajectories, ax=left, legend=False)
+        plots.plot_distance_from_reference(trajectories, trajectories["full_batch"], ax=right, legend=False)
+        plots.legend_below(figure, left)
+
+    def summarize(result):
+        _, t = result
+        full = t["full_batch"]
+        naive = t["mean_of_means"].distance_from(full).max()
+        token = t["token_normalised"].distance_from(full).max()
+        return (f"{full.num_updates} updates of {int(full.window_tokens.mean())} targets on average; "
+                f"largest distance from the full batch: naive {naive:.2e}, token-normalised {token:.2e}.")
+
+    controls = {"grad_accum_steps": _slider("GA", 4, 1, 8),
+                "micro_batch_size": _slider("micro-batch", 2, 1, 4),
+                "num_processes": _slider("processes (simulated)", 1, 1, 4),
+                "spread": _fslider("length spread", 0.75, 0.0, 1.0, 0.05),
+                "lr": _fslider("learning rate", 0.05, 0.01, 0.1, 0.01)}
+    return Explorer(controls, compute, draw, summarize=summarize, strict=strict,
+                    title="Variable-length sequences: naive vs token-normalised")
+
+
+def distance_summary(trajectories: dict, reference_key: str = "full_batch") -> dict:
+    """Largest weight distance of each trajectory from the reference, as plain floats."""
+    reference = trajectories[reference_key]
+    return {k: float(np.max(t.distance_from(reference))) for k, t in trajectories.items() if k != reference_key}
