@@ -13,8 +13,8 @@ Plots and widgets live in :mod:`gaccum_lib.plots` and :mod:`gaccum_lib.widgets` 
 matplotlib and ipywidgets, so they are not imported here).
 """
 
-from .accelerate_runs import SYNC_MODES, accelerate_train, real_run
-from .compare import cmp, max_diff
+from .accelerate_runs import SYNC_MODES, accelerate_train, fresh_accelerator, real_run
+from .compare import cmp, fmt_weights, max_diff
 from .data import (
     IGNORE_INDEX,
     Problem,
@@ -38,7 +38,7 @@ __version__ = "0.1.0"
 __all__ = [
     "IGNORE_INDEX", "LABELS", "LESSONS", "STRATEGIES", "SYNC_MODES", "LaunchError", "Problem", "Trajectory",
     "accelerate_backward_loss", "accelerate_train", "cmp", "compare_strategies", "count_target_tokens",
-    "environment", "launch", "make_problem", "max_diff", "pad_and_stack", "plain_backward_loss", "plan_windows",
-    "real_run", "reset_accelerate_state", "seed_sequences", "sequence_corpus", "sequences_from_lengths",
-    "shard_batches", "simulate", "toy_regression",
+    "environment", "fmt_weights", "fresh_accelerator", "launch", "make_problem", "max_diff", "pad_and_stack",
+    "plain_backward_loss", "plan_windows", "real_run", "reset_accelerate_state", "seed_sequences",
+    "sequence_corpus", "sequences_from_lengths", "shard_batches", "simulate", "toy_regression",
 ]

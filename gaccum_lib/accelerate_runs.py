@@ -38,6 +38,22 @@ SYNC_MODES = {
 }
 
 
+def fresh_accelerator(**kwargs):
+    """A new single-process ``Accelerator`` in this kernel, forgetting any earlier one.
+
+    Accelerate keeps its state in process-wide singletons, so a second ``Accelerator`` with a
+    different ``gradient_accumulation_steps`` would otherwise share the first one's state.
+    Defaults to ``cpu=True`` so the kernel never touches CUDA (a later launch could not fork).
+    """
+    from accelerate import Accelerator
+
+    from .launch import reset_accelerate_state
+
+    reset_accelerate_state(quiet=True)
+    kwargs.setdefault("cpu", True)
+    return Accelerator(**kwargs)
+
+
 def _sync_context(sync_mode, accelerator, model, is_last):
     if accelerator.num_processes == 1 or sync_mode == "every_step":
         return contextlib.nullcontext()

@@ -31,3 +31,9 @@ def cmp(label: str, got, expected, *, tol: float = 1e-6, quiet: bool = False) ->
     if not quiet:
         print(f"{label:<44} exact: {str(exact):<5} | within {tol:g}: {str(close):<5} | max diff: {diff:.2e}")
     return close
+
+
+def fmt_weights(weights, decimals: int = 4) -> str:
+    """Weights as the seed document prints them: ``[0.0953, 0.4337]``."""
+    values = _as_array(weights).ravel()
+    return "[" + ", ".join(f"{v:.{decimals}f}" for v in values) + "]"

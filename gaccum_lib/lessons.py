@@ -20,6 +20,18 @@ class Lesson:
 LESSONS = (
     Lesson("00_start_here.ipynb", "Start here",
            "Check the environment, see the map of the suite, take the 2.04 teaser.", "about 3 s"),
+    Lesson("01_why_accumulate.ipynb", "Why accumulate",
+           "Memory measured; the plain loop; / GA vs forgetting it (2.04 vs 8.16); equal to the full batch.",
+           "about 5 s"),
+    Lesson("02_accelerate_does_it.ipynb", "Accelerate does it for you",
+           "prepare, accumulate(), backward divides by GA, sync_gradients, the short last window, the scheduler.",
+           "about 5 s"),
+    Lesson("03_variable_length_trap.ipynb", "The variable-length trap",
+           "Naive mean of means vs token normalisation: [0.0775, 0.4514] vs [0.0953, 0.4337]; error grows with GA.",
+           "about 6 s"),
+    Lesson("04_many_processes.ipynb", "Many processes",
+           "x num_processes, gathering the count, no_sync, a simulator, and a real notebook_launcher run: "
+           "[0.2117, 0.3172].", "about 10 s"),
 )
 
 

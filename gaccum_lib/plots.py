@@ -233,3 +233,20 @@ def plot_token_counts(trajectory, ax=None):
     ax.set_title("targets per update and rank")
     ax.legend(loc="best")
     return ax
+
+
+def plot_memory(table: dict, ax=None):
+    """Peak memory of one update as the effective batch grows: bigger batch vs accumulation."""
+    ax = _axes(ax)
+    names = {"full_batch": "one big batch", "accumulation": "accumulation (fixed micro-batch)"}
+    styles = {"full_batch": "full_batch", "accumulation": "token_normalised"}
+    for key, rows in table.items():
+        batches = [r.effective_batch for r in rows]
+        ax.plot(batches, [r.peak / 2**20 for r in rows], label=names.get(key, key), **style_for(styles.get(key, key)))
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_xlabel("effective batch size (examples per update)")
+    ax.set_ylabel("peak memory of one update (MiB)")
+    ax.set_title("memory: weights + gradients + activations")
+    ax.legend(loc="best")
+    return ax

@@ -53,7 +53,7 @@ class Explorer:
     """Controls -> compute -> draw, redrawn in place on every change."""
 
     def __init__(self, controls: dict, compute, draw, *, summarize=None, title: str = "",
-                 figsize=(10, 4.4), strict: bool = False):
+                 figsize=(10, 4.4), strict: bool = False, button: str | None = None, busy: str = ""):
         if not controls:
             raise ValueError("controls must hold at least one widget")
         self.controls = dict(controls)
@@ -67,13 +67,20 @@ class Explorer:
         self.message = widgets.HTML()
         self.caption = widgets.HTML()
         header = [widgets.HTML(f"<b>{html.escape(title)}</b>")] if title else []
-        self.widget = widgets.VBox([*header, widgets.HBox(list(self.controls.values()),
-                                                           layout=widgets.Layout(flex_flow="row wrap")),
+        row = list(self.controls.values())
+        # With a button, changes wait for a click (for slow computations such as real launches).
+        self.button = widgets.Button(description=button, button_style="primary") if button else None
+        self.busy = busy
+        if self.button is not None:
+            self.button.on_click(lambda _button: self.refresh())
+            row.append(self.button)
+        self.widget = widgets.VBox([*header, widgets.HBox(row, layout=widgets.Layout(flex_flow="row wrap")),
                                     self.message, self.image, self.caption])
         self.state = ExplorerState(values=self.values)
         self._holding = False
-        for control in self.controls.values():
-            control.observe(self._on_change, names="value")
+        if self.button is None:
+            for control in self.controls.values():
+                control.observe(self._on_change, names="value")
         self.refresh()
 
     @property
@@ -89,6 +96,8 @@ class Explorer:
         unknown = sorted(set(values) - set(self.controls))
         if unknown:
             raise ValueError(f"unknown control(s) {unknown}; this explorer has {sorted(self.controls)}")
+        for name, value in values.items():
+            _check_control_value(name, self.controls[name], value)
         self._holding = True
         try:
             for name, value in values.items():
@@ -101,11 +110,13 @@ class Explorer:
     def refresh(self) -> None:
         values = self.values
         self.state.values = values
+        if self.busy:
+            self.message.value = f"<i>{html.escape(self.busy)}</i>"
         start = time.perf_counter()
         try:
             result = self.compute(**values)
-        except (ValueError, TypeError) as exc:
-            self.state.error = str(exc)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            self.state.error = f"{type(exc).__name__}: {exc}" if isinstance(exc, RuntimeError) else str(exc)
             self.message.value = f"<span style='color:#D55E00'>&#9888; {html.escape(str(exc))}</span>"
             if self.strict:
                 raise
@@ -131,6 +142,22 @@ class Explorer:
         from IPython.display import display
 
         display(self.widget)
+
+
+def _check_control_value(name: str, control, value) -> None:
+    """Refuse what a slider would silently clamp, or a menu would reject with a bare TraitError."""
+    if hasattr(control, "options"):
+        options = [o[1] if isinstance(o, tuple) else o for o in control.options]
+        if value not in options:
+            raise ValueError(f"{name} must be one of {options}, got {value!r}")
+        return
+    if hasattr(control, "min") and hasattr(control, "max"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+        if isinstance(control, widgets.IntSlider) and value != int(value):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+        if not control.min <= value <= control.max:
+            raise ValueError(f"{name} must be in [{control.min}, {control.max}], got {value}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,3 +248,92 @@ def distance_summary(trajectories: dict, reference_key: str = "full_batch") -> d
     """Largest weight distance of each trajectory from the reference, as plain floats."""
     reference = trajectories[reference_key]
     return {k: float(np.max(t.distance_from(reference))) for k, t in trajectories.items() if k != reference_key}
+
+
+def launch_explorer(*, strict: bool = False) -> Explorer:
+    """Lesson 04: the seed's 2-process experiment for real (notebook_launcher) next to the simulator."""
+    from .accelerate_runs import real_run
+    from .data import seed_sequences
+    from .launch import choose_device, cpu_process_limit, gpu_count
+
+    def compute(num_processes, strategy):
+        problem = seed_sequences(8 * num_processes)  # the seed sizes the data as 4 x GA x processes
+        kwargs = dict(grad_accum_steps=2, micro_batch_size=4, num_processes=num_processes, lr=0.08)
+        real = real_run(problem, strategy, **kwargs)
+        return {"device": choose_device(num_processes), "real": real,
+                "simulated": simulate(problem, strategy, **kwargs),
+                "full_batch": simulate(problem, "full_batch", **kwargs)}
+
+    def draw(result, figure):
+        ax = figure.subplots()
+        real = result["real"]
+        ranks = np.arange(real.num_processes)
+        for i, (label, values, hatch) in enumerate((
+                ("real processes, each rank", real.rank_final_weights, ""),
+                ("simulator, each rank", result["simulated"].rank_final_weights, "//"),
+                ("full batch", np.repeat(result["full_batch"].final_weights[None], len(ranks), axis=0), ".."))):
+            for w in range(values.shape[1]):
+                ax.bar(ranks * 4 + w * 1.3 + i * 0.4, values[:, w], width=0.38, hatch=hatch,
+                       color=plots.style_for(["token_normalised", "mean_of_means", "full_batch"][i])["color"],
+                       edgecolor="white", label=label if w == 0 and ranks.size else None)
+        ax.set_xticks([r * 4 + w * 1.3 + 0.4 for r in ranks for w in range(2)],
+                      [f"rank {r}\nw[{w}]" for r in ranks for w in range(2)])
+        ax.set_ylabel("final weight")
+        ax.set_title(f"{real.source}: final weights per rank")
+        plots.legend_below(figure, ax)
+
+    def summarize(result):
+        real, sim = result["real"], result["simulated"]
+        agree = real.max_difference(sim)
+        same = float(np.ptp(real.rank_final_weights, axis=0).max()) == 0.0
+        counts = real.token_counts[0].tolist()
+        return (f"{real.num_processes} real process(es) on {result['device'].upper()}: local targets {counts}, "
+                f"total {sum(counts)}; every rank has the same weights: {'yes' if same else 'NO'}; "
+                f"largest difference to the simulator {agree:.1e}.")
+
+    limit = max(gpu_count(), 2) if gpu_count() >= 2 else min(4, cpu_process_limit())
+    controls = {"num_processes": _slider("processes (real)", 2, 1, limit),
+                "strategy": widgets.Dropdown(options=[("token-normalised", "token_normalised"),
+                                                      ("naive", "mean_of_means")], value="token_normalised",
+                                             description="strategy")}
+    return Explorer(controls, compute, draw, summarize=summarize, strict=strict, figsize=(10, 4.2),
+                    title="A real multi-process launch (Accelerate's notebook_launcher)",
+                    button="Launch for real", busy="launching processes... (about a second each time)")
+
+
+def schedule_explorer(*, strict: bool = False, num_batches: int = 96, peak_lr: float = 0.1) -> Explorer:
+    """Lesson 02: the learning rate of each update with a linear decay sized three ways."""
+    from . import schedule
+
+    def compute(grad_accum_steps, num_processes, epochs):
+        return {sizing: schedule.lr_per_update(sizing, num_batches, grad_accum_steps, num_processes, epochs, peak_lr)
+                for sizing in schedule.SIZINGS}
+
+    def draw(result, figure):
+        ax = figure.subplots()
+        labels = {"updates": "sized in updates: len(loader) / GA (right)",
+                  "micro_batches": "sized in micro-batches: len(loader)",
+                  "sharded_updates": "sized from the sharded loader"}
+        styles = {"updates": "token_normalised", "micro_batches": "mean_of_means",
+                  "sharded_updates": "token_local_count"}
+        for sizing, lrs in result.items():
+            ax.plot(np.arange(1, len(lrs) + 1), lrs, label=labels[sizing], **plots.style_for(styles[sizing]),
+                    markevery=max(1, len(lrs) // 12))
+        ax.set_xlabel("optimizer update")
+        ax.set_ylabel("learning rate")
+        ax.set_title(f"linear decay from {peak_lr} to 0 over the training, {num_batches} batches per epoch")
+        plots.legend_below(figure, ax, ncol=2)
+
+    def summarize(result):
+        right, slow, early = result["updates"], result["micro_batches"], result["sharded_updates"]
+        zero_from = int(np.argmax(early == 0)) + 1 if (early == 0).any() else None
+        text = (f"{len(right)} updates. Sized in updates the last one uses lr {right[-1]:.4f}; sized in "
+                f"micro-batches it still uses {slow[-1]:.4f}")
+        return text + (f"; sized from the sharded loader the lr is 0 from update {zero_from} on." if zero_from
+                       else "; with one process the sharded loader is the whole loader.")
+
+    controls = {"grad_accum_steps": _slider("GA", 4, 1, 8),
+                "num_processes": _slider("processes", 2, 1, 4),
+                "epochs": _slider("epochs", 2, 1, 4)}
+    return Explorer(controls, compute, draw, summarize=summarize, strict=strict, figsize=(10, 4.2),
+                    title="Sizing a schedule under accumulation")

@@ -16,6 +16,18 @@ EXECUTED = ROOT / "build" / "executed"
 EXPECTED_FIGURES = {
     "00_start_here.ipynb": ["weight after one accumulated update: 2.04000",
                             "weight after one full-batch step:    2.04000"],
+    "01_why_accumulate.ipynb": ["accumulated, loss / GA:    w = 2.04000", "accumulated, no division:  w = 8.16000",
+                                "full batch, one step:      w = 2.04000"],
+    "02_accelerate_does_it.ipynb": ["w/ accumulation, final weight: 2.04000",
+                                    "w/o accumulation, final weight: 2.04000",
+                                    "updates after micro-batches: [4, 8, 10]"],
+    "03_variable_length_trap.ipynb": ["initial weights: [-0.0075, 0.5364]", "full batch:       [0.0953, 0.4337]",
+                                      "naive (mean of means): [0.0775, 0.4514]",
+                                      "token-normalised (36 items): [0.0953, 0.4337]"],
+    "04_many_processes.ipynb": ["rank 0: micro-batches of lengths [[1, 2, 3, 4], [9, 10, 11, 12]] -> 52 target tokens",
+                                "targets in the whole update: 136",
+                                "52 of 136 targets, final weights [0.2117, 0.3172]",
+                                "84 of 136 targets, final weights [0.2117, 0.3172]"],
 }
 
 NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))

@@ -1,0 +1,50 @@
+"""The lesson-04 experiment as a script, under the launchers users run on several GPUs or machines."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gaccum_lib.launch import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "train_accumulation.py"
+BIN = Path(sys.executable).parent
+pytestmark = pytest.mark.real
+
+
+def _run(command):
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # Each rank writes whole lines, but launcher logs may still land between them: find the JSON records.
+    records = sorted((json.loads(match) for match in re.findall(r"\{\"rank\".*?\]\}", result.stdout)),
+                     key=lambda r: r["rank"])
+    assert len(records) == 2, f"expected one record per rank\nstdout:\n{result.stdout}\nstderr:\n{result.stderr[-3000:]}"
+    return records, result.stdout
+
+
+def _check(records, stdout, expected):
+    assert [r["rank"] for r in records] == [0, 1]
+    assert all(r["num_processes"] == 2 and r["distributed_type"] == "DistributedType.MULTI_CPU" for r in records)
+    assert [r["local_targets"] for r in records] == [[52], [84]]
+    assert all(r["total_targets"] == [136] for r in records)
+    for record in records:
+        assert [round(w, 4) for w in record["final_weights"]] == expected
+    assert float(stdout.split("largest difference ")[1].split()[0]) < 1e-6  # rank 0 vs the simulator
+
+
+def test_torchrun_two_cpu_processes_reproduce_the_seed():
+    records, stdout = _run([str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
+                            str(SCRIPT)])
+    _check(records, stdout, [0.2117, 0.3172])
+
+
+def test_accelerate_launch_two_cpu_processes_naive():
+    records, stdout = _run([str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
+                            "--main_process_port", str(free_port()), str(SCRIPT), "--strategy", "mean_of_means"])
+    _check(records, stdout, [0.1622, 0.3668])

@@ -1,0 +1,41 @@
+"""The scheduler emulation matches real Accelerate on 1 and 2 processes."""
+
+import numpy as np
+import pytest
+
+from gaccum_lib import launch, reset_accelerate_state
+from gaccum_lib.schedule import accelerate_lr_trace, lr_per_update, schedule_length, scheduler_steps_per_update
+
+
+@pytest.mark.parametrize(("num_batches", "ga", "epochs"), [(16, 4, 1), (10, 4, 2), (9, 2, 1), (8, 1, 1)])
+def test_emulation_matches_accelerate_on_one_process(num_batches, ga, epochs):
+    total = schedule_length("updates", num_batches, ga, 1, epochs)
+    real = accelerate_lr_trace(num_batches, ga, total, epochs=epochs)
+    reset_accelerate_state(quiet=True)
+    np.testing.assert_allclose(real, lr_per_update("updates", num_batches, ga, 1, epochs), atol=1e-12)
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("sizing", ["updates", "micro_batches", "sharded_updates"])
+def test_emulation_matches_accelerate_on_two_processes(sizing):
+    num_batches, ga = 16, 2
+    total = schedule_length(sizing, num_batches, ga, 2)
+    traces = launch(accelerate_lr_trace, (num_batches, ga, total), num_processes=2, quiet=True)
+    assert traces[0] == traces[1]
+    np.testing.assert_allclose(traces[0], lr_per_update(sizing, num_batches, ga, 2), atol=1e-12)
+
+
+def test_prepared_scheduler_steps_num_processes_times_per_update():
+    assert scheduler_steps_per_update(16, 2, 2).tolist() == [2, 4, 6, 8]
+    assert scheduler_steps_per_update(10, 4, 1).tolist() == [1, 2, 3]  # 4 + 4 + a short window of 2
+
+
+def test_only_update_sizing_ends_the_decay_at_the_end_of_training():
+    for processes in (1, 2, 4):
+        right = lr_per_update("updates", 64, 4, processes, epochs=2)
+        slow = lr_per_update("micro_batches", 64, 4, processes, epochs=2)
+        # The decay reaches 0 right after the last update: that update uses the last step of it.
+        assert right[-1] == pytest.approx(0.1 / len(right))
+        assert slow[-1] > 0.07  # GA times too long: most of the decay never happens
+    early = lr_per_update("sharded_updates", 64, 4, 2, epochs=2)
+    assert (early[len(early) // 2:] == 0).all()  # runs out halfway: the second half trains at lr 0
