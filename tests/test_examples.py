@@ -24,7 +24,7 @@ def _run(command):
     # Each rank writes whole lines, but launcher logs may still land between them: find the JSON records.
     records = sorted((json.loads(match) for match in re.findall(r"\{\"rank\".*?\]\}", result.stdout)),
                      key=lambda r: r["rank"])
-    assert len(records) == 2, f"expected one record per rank\nstdout:\n{result.stdout}\nstderr:\n{result.stderr[-3000:]}"
+    assert len(records) == 2, f"one record per rank expected\n{result.stdout}\n{result.stderr[-3000:]}"
     return records, result.stdout
 
 
