@@ -14,6 +14,7 @@ matplotlib and ipywidgets, so they are not imported here).
 """
 
 from .accelerate_runs import SYNC_MODES, accelerate_train, fresh_accelerator, real_run
+from .check import AccumulationCheckError, AccumulationReport, check_accumulation
 from .compare import cmp, fmt_weights, max_diff
 from .data import (
     IGNORE_INDEX,
@@ -36,9 +37,10 @@ from .strategies import LABELS, STRATEGIES, accelerate_backward_loss, plain_back
 __version__ = "0.1.0"
 
 __all__ = [
-    "IGNORE_INDEX", "LABELS", "LESSONS", "STRATEGIES", "SYNC_MODES", "LaunchError", "Problem", "Trajectory",
-    "accelerate_backward_loss", "accelerate_train", "cmp", "compare_strategies", "count_target_tokens",
-    "environment", "fmt_weights", "fresh_accelerator", "launch", "make_problem", "max_diff", "pad_and_stack",
-    "plain_backward_loss", "plan_windows", "real_run", "reset_accelerate_state", "seed_sequences",
-    "sequence_corpus", "sequences_from_lengths", "shard_batches", "simulate", "toy_regression",
+    "IGNORE_INDEX", "LABELS", "LESSONS", "STRATEGIES", "SYNC_MODES", "AccumulationCheckError", "AccumulationReport",
+    "LaunchError", "Problem", "Trajectory", "accelerate_backward_loss", "accelerate_train", "check_accumulation",
+    "cmp", "compare_strategies", "count_target_tokens", "environment", "fmt_weights", "fresh_accelerator", "launch",
+    "make_problem", "max_diff", "pad_and_stack", "plain_backward_loss", "plan_windows", "real_run",
+    "reset_accelerate_state", "seed_sequences", "sequence_corpus", "sequences_from_lengths", "shard_batches",
+    "simulate", "toy_regression",
 ]
