@@ -32,6 +32,10 @@ def shard_batches(
             raise ValueError(f"batches[{i}] has {len(batch)} examples; every batch but the last must have "
                              f"batch_size={batch_size}, and the last between 1 and {batch_size}")
 
+    if num_processes == 1:
+        # Accelerate's prepare_data_loader only shards (and tops up) when there are several
+        # processes: one process iterates the DataLoader as it is, short last batch included.
+        return [[list(batch) for batch in batches]]
     shards: list[list[list[int]]] = [[] for _ in range(num_processes)]
     rounds = [batches[i:i + num_processes] for i in range(0, len(batches), num_processes)]
     final = rounds[-1]

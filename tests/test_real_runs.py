@@ -108,3 +108,10 @@ def test_a_failing_child_reports_its_rank_and_traceback():
     with pytest.raises(LaunchError, match=r"rank 1 of 2 failed with RuntimeError: rank one is unhappy") as info:
         launch(_fails_on_rank_one, num_processes=2, quiet=True)
     assert "_fails_on_rank_one" in str(info.value)  # the child's traceback is in the message
+
+
+def test_one_process_with_a_short_last_micro_batch():
+    # 22 sequences in micro-batches of 4: the last has 2, and one process does not top it up.
+    real, sim = _both(sequence_corpus(22), "mean_of_means", grad_accum_steps=2, micro_batch_size=4, num_processes=1)
+    assert real.token_counts.tolist() == sim.token_counts.tolist()
+    assert real.max_difference(sim) < 1e-6

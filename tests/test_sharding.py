@@ -23,10 +23,28 @@ def ours(num_examples, batch_size, num_processes, even_batches):
 CASES = list(itertools.product(range(1, 26), (1, 2, 3, 4), (1, 2, 3, 4), (True, False)))
 
 
-@pytest.mark.parametrize(("num_examples", "batch_size", "num_processes", "even_batches"), CASES)
+@pytest.mark.parametrize(("num_examples", "batch_size", "num_processes", "even_batches"),
+                         [case for case in CASES if case[2] > 1])
 def test_same_batches_as_accelerate(num_examples, batch_size, num_processes, even_batches):
     assert ours(num_examples, batch_size, num_processes, even_batches) == \
         accelerate_shards(num_examples, batch_size, num_processes, even_batches)
+
+
+@pytest.mark.parametrize("num_examples", range(1, 12))
+def test_one_process_keeps_the_dataloader_as_it_is(num_examples):
+    """prepare_data_loader shards only for several processes: no top-up, the short batch stays."""
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from gaccum_lib import reset_accelerate_state
+
+    accelerator = Accelerator(cpu=True)
+    try:
+        prepared = accelerator.prepare(DataLoader(list(range(num_examples)), batch_size=3))
+        seen = [batch.tolist() for batch in prepared]
+    finally:
+        reset_accelerate_state(quiet=True)
+    assert ours(num_examples, 3, 1, True) == [seen]
 
 
 def test_round_robin_on_two_processes():
