@@ -1,0 +1,153 @@
+"""Checks for the lessons' exercises: one place, used by the notebooks and by the solutions' tests.
+
+In a lesson::
+
+    my_factor = 4
+    check("00.2", my_factor)      # prints "correct!" or a hint, returns True/False
+
+Each checker computes the right answer with the library (nothing is hard-coded that the
+library could get wrong without a test noticing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Feedback:
+    correct: bool
+    message: str
+
+    def __bool__(self) -> bool:
+        return self.correct
+
+
+def _unscaled_factor(answer) -> Feedback:
+    from .data import toy_regression
+    from .simulate import simulate
+
+    problem = toy_regression()
+    forgot = simulate(problem, "sum_of_means", grad_accum_steps=4, micro_batch_size=2, lr=0.02)
+    full = simulate(problem, "full_batch", grad_accum_steps=4, micro_batch_size=2, lr=0.02)
+    actual = forgot.final_weights[0] / full.final_weights[0]
+    if abs(float(answer) - actual) < 1e-6:
+        return Feedback(True, f"correct! the step is {actual:.0f}x larger: the gradients of GA means add up")
+    return Feedback(False, f"not quite: compare the two weights printed above (the step is {actual:.1f}x larger)")
+
+
+def _equal_split_exact(answer) -> Feedback:
+    from .data import toy_regression
+    from .simulate import simulate
+
+    problem = toy_regression()
+    plain = simulate(problem, "mean_of_means", grad_accum_steps=3, micro_batch_size=3, lr=0.02)
+    full = simulate(problem, "full_batch", grad_accum_steps=3, micro_batch_size=3, lr=0.02)
+    exact = plain.max_difference(full) < 1e-6
+    if bool(answer) == exact:
+        return Feedback(True, f"correct! plain w = {plain.final_weights[0]:.4f}, full batch w = "
+                              f"{full.final_weights[0]:.4f}: the 2-point micro-batch weighs as much as a 3-point one")
+    return Feedback(False, "not quite: run simulate(toy_regression(), 'mean_of_means', grad_accum_steps=3, "
+                           "micro_batch_size=3, lr=0.02) and compare with 'full_batch'")
+
+
+def _unscaled_lr(answer) -> Feedback:
+    from .data import toy_regression
+    from .simulate import simulate
+
+    weight = simulate(toy_regression(), "sum_of_means", grad_accum_steps=4, micro_batch_size=2,
+                      lr=float(answer)).final_weights[0]
+    if abs(weight - 2.04) < 1e-6:
+        return Feedback(True, "correct! lr / GA: the missing division moved into the learning rate")
+    return Feedback(False, f"not quite: with lr={answer} the unscaled loop reaches w = {weight:.4f}, not 2.04")
+
+
+def _sync_points(answer) -> Feedback:
+    from .sharding import split_windows
+
+    windows = split_windows(list(range(10)), 3)  # 20 points in micro-batches of 2: 10 micro-batches
+    actual = list(np.cumsum([len(w) for w in windows]))
+    if [int(a) for a in answer] == actual:
+        return Feedback(True, "correct! every 3rd micro-batch, and the end of the data forces the last sync")
+    return Feedback(False, "not quite: count micro-batches in groups of GA, and remember the end of the data")
+
+
+def _equal_targets_order(answer) -> Feedback:
+    from .data import sequences_from_lengths
+    from .simulate import simulate
+
+    order = [int(a) for a in answer]
+    if sorted(order) != list(range(1, 9)):
+        return Feedback(False, "use each length 1..8 exactly once")
+    problem = sequences_from_lengths(order)
+    gap = simulate(problem, "mean_of_means", grad_accum_steps=4, micro_batch_size=2).max_difference(
+        simulate(problem, "full_batch", grad_accum_steps=4, micro_batch_size=2))
+    pairs = [order[i] + order[i + 1] for i in range(0, 8, 2)]
+    if gap < 1e-6:
+        return Feedback(True, f"correct! targets per micro-batch {pairs}: naive equals the full batch ({gap:.0e})")
+    return Feedback(False, f"not yet: targets per micro-batch {pairs}; naive misses the full batch by {gap:.1e}")
+
+
+def _rank0_count_three_processes(answer) -> Feedback:
+    from .data import seed_sequences
+    from .simulate import simulate
+
+    counts = simulate(seed_sequences(24), "token_normalised", grad_accum_steps=2, micro_batch_size=4,
+                      num_processes=3).token_counts[0]
+    if int(answer) == counts[0]:
+        return Feedback(True, f"correct! local counts {counts.tolist()}, {counts.sum()} in total")
+    return Feedback(False, "not quite: rank 0 gets micro-batches 0 and 3 (items 0-3 and 12-15); item i has length i+1")
+
+
+def _missing_zero_grad_label(answer) -> Feedback:
+    from .check import check_accumulation
+    from .data import count_target_tokens, seed_sequences
+
+    problem = seed_sequences(16)
+    batches = [problem.batch_of(ix) for ix in problem.micro_batch_indices(4)]
+
+    def forgets_zero_grad(model, optimizer, micro_batches, loss_fn, ctx):
+        total = ctx.all_reduce_sum(sum(count_target_tokens(b["labels"]) for b in micro_batches))
+        for batch in micro_batches:
+            loss_sum, _ = loss_fn(model, batch)
+            ctx.backward(loss_sum * ctx.grad_accum_steps * ctx.num_processes / total)
+        optimizer.step()
+
+    labels = check_accumulation(forgets_zero_grad, problem.make_model, batches, problem.loss_sum_and_count).labels
+    if str(answer).strip().lower() in {label.lower() for label in labels}:
+        return Feedback(True, f"correct! '{answer}': the first update is right, the second adds the old gradient")
+    return Feedback(False, "not quite: run the checker on your step and read report.labels")
+
+
+CHECKS = {
+    "00.2": _unscaled_factor,
+    "01.1": _equal_split_exact,
+    "01.2": _unscaled_lr,
+    "02.1": _sync_points,
+    "03.2": _equal_targets_order,
+    "04.1": _rank0_count_three_processes,
+    "06.2": _missing_zero_grad_label,
+}
+
+
+def register(exercise: str, checker) -> None:
+    """Add a checker (lessons written later register theirs from their own module)."""
+    CHECKS[exercise] = checker
+
+
+def check(exercise: str, answer, *, quiet: bool = False) -> Feedback:
+    """Check ``answer`` to ``exercise`` (e.g. ``"03.2"``); print and return the feedback."""
+    if exercise not in CHECKS:
+        raise ValueError(f"exercise must be one of {', '.join(sorted(CHECKS))}; got {exercise!r}")
+    if answer is None:
+        feedback = Feedback(False, "no answer yet: set the variable above and run this cell again")
+    else:
+        try:
+            feedback = CHECKS[exercise](answer)
+        except (TypeError, ValueError) as exc:
+            feedback = Feedback(False, f"that answer cannot be checked: {exc}")
+    if not quiet:
+        print(feedback.message)
+    return feedback

@@ -1,0 +1,15 @@
+"""Answers to the exercises that have a check cell; tests/test_solutions.py runs each through its checker.
+
+Keys are "<lesson>.<exercise>" as in the notebooks' `check("03.2", my_order)` cells.
+The reasoning behind each answer, and the answers to the discussion exercises, are in README.md here.
+"""
+
+ANSWERS = {
+    "00.2": 4,                          # GA: the gradients of 4 micro-batch means add up
+    "01.1": False,                      # sizes 3, 3, 2: the 2-point mean weighs as much as a 3-point one
+    "01.2": 0.005,                      # 0.02 / 4: the missing division moves into the learning rate
+    "02.1": [3, 6, 9, 10],              # every 3rd micro-batch, and the end of the data
+    "03.2": [1, 8, 2, 7, 3, 6, 4, 5],   # each pair of items holds 9 targets
+    "04.1": 68,                         # items 0-3 (1+2+3+4) and 12-15 (13+14+15+16)
+    "06.2": "state carried over between windows",  # a missing zero_grad shows in the second window
+}
