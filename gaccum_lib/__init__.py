@@ -30,6 +30,7 @@ from .data import (
 from .env import environment
 from .launch import LaunchError, launch, reset_accelerate_state
 from .lessons import LESSONS
+from .lm import LMProblem, count_targets_before_shift, error_vs_ga, tiny_lm
 from .sharding import plan_windows, shard_batches
 from .simulate import Trajectory, compare_strategies, simulate
 from .strategies import LABELS, STRATEGIES, accelerate_backward_loss, plain_backward_loss
@@ -42,5 +43,5 @@ __all__ = [
     "cmp", "compare_strategies", "count_target_tokens", "environment", "fmt_weights", "fresh_accelerator", "launch",
     "make_problem", "max_diff", "pad_and_stack", "plain_backward_loss", "plan_windows", "real_run",
     "reset_accelerate_state", "seed_sequences", "sequence_corpus", "sequences_from_lengths", "shard_batches",
-    "simulate", "toy_regression",
+    "simulate", "toy_regression", "LMProblem", "count_targets_before_shift", "error_vs_ga", "tiny_lm",
 ]

@@ -32,6 +32,9 @@ LESSONS = (
     Lesson("04_many_processes.ipynb", "Many processes",
            "x num_processes, gathering the count, no_sync, a simulator, and a real notebook_launcher run: "
            "[0.2117, 0.3172].", "about 10 s"),
+    Lesson("05_capstone_language_model.ipynb", "Capstone: a tiny language model",
+           "A character transformer on a shipped story: targets after the shift, naive vs token-normalised on 1 "
+           "and 2 real processes, the naive error growing with GA, packing hiding it.", "about 10 s"),
     Lesson("06_pitfalls_gallery.ipynb", "A gallery of pitfalls",
            "Fifteen silent mistakes reproduced with symptom and fix; check_accumulation catches the loop-level ones.",
            "about 15 s"),

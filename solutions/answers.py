@@ -11,5 +11,7 @@ ANSWERS = {
     "02.1": [3, 6, 9, 10],              # every 3rd micro-batch, and the end of the data
     "03.2": [1, 8, 2, 7, 3, 6, 4, 5],   # each pair of items holds 9 targets
     "04.1": 68,                         # items 0-3 (1+2+3+4) and 12-15 (13+14+15+16)
+    "05.1": 3674,                       # 3738 characters in 64 rows, one target fewer per row
+    "05.2": 0.5,                        # DDP averages the 2 ranks' gradients: without x 2 the step halves
     "06.2": "state carried over between windows",  # a missing zero_grad shows in the second window
 }

@@ -14,7 +14,7 @@ sys.path.insert(0, str(ROOT / "solutions"))
 from answers import ANSWERS  # noqa: E402
 
 WRONG = {"00.2": 2, "01.1": True, "01.2": 0.02, "02.1": [3, 6, 9], "03.2": [1, 2, 3, 4, 5, 6, 7, 8], "04.1": 52,
-         "06.2": "no update"}
+         "05.1": 3738, "05.2": 2, "06.2": "no update"}
 
 
 def _check_cells():
