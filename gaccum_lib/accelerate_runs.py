@@ -146,7 +146,8 @@ def accelerate_train(
                 loss_sum_local += float(loss_sum.detach())
             optimizer.step()
             optimizer.zero_grad()
-            window_loss = accelerator.gather(torch.tensor([loss_sum_local], device=accelerator.device)).sum()
+            window_loss = accelerator.gather(torch.tensor([loss_sum_local], dtype=torch.float64,
+                                                       device=accelerator.device)).sum()
             losses.append(float(window_loss) / window_terms)
             local_counts.append(local_terms)
             window_counts.append(window_terms)
