@@ -1,0 +1,399 @@
+"""What accumulation costs and saves, measured as ratios and counts in one run (`make bench`).
+
+    python -m gaccum_lib.bench                      # everything, a few minutes on 2 cores (= make bench)
+    python -m gaccum_lib.bench --only memory,widgets
+    python -m gaccum_lib.bench --out results.json --plot results.png
+
+Results are committed in benchmarks/ (results.json, results.png); notebook 07 and the README
+show them. On a GPU machine the same command measures the GPU sections there.
+
+Every figure is a ratio or a count from this one run, so the numbers compare across
+machines: timings are medians over interleaved repetitions (A, B, A, B, ...), so background
+load hits both sides alike. The JSON records the machine (cores, GPUs, versions) it ran on.
+
+Sections:
+  strategy_cost      per-update time of token-normalised vs naive accumulation, capstone LM
+  allreduce          all-reduce rounds per update and time with no_sync vs without, 2 real processes
+  memory             peak memory of one update as the effective batch grows: big batch vs accumulation
+  simulator          simulator vs a real multi-process launch for the same result (time ratio)
+  widgets            widget answer time (compute + redraw), median and worst
+  notebooks          each notebook's nbmake time as a multiple of a bare notebook's (import torch)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# The repository (results and notebooks live there; the package is installed in editable mode).
+ROOT = Path(__file__).resolve().parents[1]
+SECTIONS = ("strategy_cost", "allreduce", "memory", "simulator", "widgets", "notebooks")
+
+
+def _median_ms(samples):
+    return 1000 * statistics.median(samples)
+
+
+def _interleaved(functions: dict, repeats: int) -> dict:
+    """Time each function `repeats` times, alternating between them; seconds per call."""
+    for f in functions.values():  # warm-up: first calls pay for lazy imports and allocations
+        f()
+    times = {name: [] for name in functions}
+    for _ in range(repeats):
+        for name, f in functions.items():
+            start = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def bench_strategy_cost(quick: bool) -> dict:
+    """One optimizer update of the capstone LM, naive vs token-normalised, same micro-batches."""
+    import torch
+
+    from gaccum_lib.lm import tiny_lm
+
+    torch.set_num_threads(1)
+    problem = tiny_lm(64, dtype="float32")
+    grad_accum_steps, micro_batch_size = 4, 4
+    indices = problem.micro_batch_indices(micro_batch_size)[:grad_accum_steps]
+    window = [problem.batch_of(ix) for ix in indices]
+    model = problem.make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def naive_update():
+        for batch in window:
+            loss_sum, n = problem.loss_sum_and_count(model, batch)
+            (loss_sum / n / grad_accum_steps).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def token_normalised_update():
+        total = sum(problem.count_targets(batch) for batch in window)  # the extra work: one count
+        for batch in window:
+            loss_sum, _ = problem.loss_sum_and_count(model, batch)
+            (loss_sum / total).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    times = _interleaved({"naive": naive_update, "token_normalised": token_normalised_update},
+                         repeats=20 if quick else 80)
+    naive, token = _median_ms(times["naive"]), _median_ms(times["token_normalised"])
+    return {"model_parameters": sum(p.numel() for p in model.parameters()), "grad_accum_steps": grad_accum_steps,
+            "micro_batch_size": micro_batch_size, "naive_ms_per_update": naive, "token_ms_per_update": token,
+            "token_over_naive": token / naive}
+
+
+def _allreduce_worker(grad_accum_steps, micro_batch_size, width, depth, repeats):
+    """Runs in each launched process: time updates with and without no_sync, count all-reduce rounds."""
+    import contextlib
+
+    import torch
+    from accelerate import Accelerator
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    accelerator = Accelerator()
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    model = accelerator.prepare(torch.nn.Sequential(*layers, torch.nn.Linear(width, 1)))
+    rounds = {"count": 0}
+
+    def counting_hook(state, bucket):
+        if bucket.index() == 0:
+            rounds["count"] += 1
+        return allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, counting_hook)
+    generator = torch.Generator().manual_seed(accelerator.process_index)
+    batches = [torch.randn(micro_batch_size, width, generator=generator, device="cpu").to(accelerator.device)
+               for _ in range(grad_accum_steps)]
+
+    def update(skip_sync: bool):
+        for i, x in enumerate(batches):
+            last = i == len(batches) - 1
+            with contextlib.nullcontext() if (last or not skip_sync) else model.no_sync():
+                model(x).pow(2).mean().backward()
+        model.zero_grad(set_to_none=True)
+
+    counts = {}
+    for mode, skip in (("no_sync", True), ("every_micro_batch", False)):
+        before = rounds["count"]
+        update(skip)
+        counts[mode] = rounds["count"] - before
+    times = {"no_sync": [], "every_micro_batch": []}
+    for _ in range(repeats):
+        for mode, skip in (("no_sync", True), ("every_micro_batch", False)):
+            accelerator.wait_for_everyone()
+            start = time.perf_counter()
+            update(skip)
+            accelerator.wait_for_everyone()
+            times[mode].append(time.perf_counter() - start)
+    return {"rank": accelerator.process_index, "device": str(accelerator.device), "counts": counts,
+            "ms": {mode: _median_ms(t) for mode, t in times.items()},
+            "parameters": sum(p.numel() for p in model.parameters())}
+
+
+def bench_allreduce(quick: bool) -> dict:
+    from gaccum_lib import launch
+
+    grad_accum_steps = 8
+    width, depth = (512, 3) if quick else (1024, 4)
+    records = launch(_allreduce_worker, (grad_accum_steps, 4, width, depth, 5 if quick else 15),
+                     num_processes=2, quiet=True)
+    rank0 = records[0]
+    return {"num_processes": 2, "device": rank0["device"], "grad_accum_steps": grad_accum_steps,
+            "model_parameters": rank0["parameters"], "gradient_mib": rank0["parameters"] * 4 / 2**20,
+            "allreduce_rounds_per_update": rank0["counts"], "ms_per_update": rank0["ms"],
+            "every_micro_batch_over_no_sync": rank0["ms"]["every_micro_batch"] / rank0["ms"]["no_sync"]}
+
+
+def bench_memory(quick: bool) -> dict:
+    from gaccum_lib.memory import memory_table
+
+    table = memory_table(micro_batch_size=32, accumulation_steps=(1, 2, 4, 8, 16))
+    rows = [{"effective_batch": big.effective_batch, "big_batch_mib": big.peak / 2**20,
+             "accumulation_mib": acc.peak / 2**20, "big_batch_activation_mib": big.peak_activations / 2**20,
+             "accumulation_activation_mib": acc.peak_activations / 2**20}
+            for big, acc in zip(table["full_batch"], table["accumulation"], strict=True)]
+    return {"micro_batch_size": 32, "rows": rows,
+            "big_over_accumulation_at_largest": rows[-1]["big_batch_mib"] / rows[-1]["accumulation_mib"]}
+
+
+def bench_simulator(quick: bool) -> dict:
+    from gaccum_lib import real_run, seed_sequences, simulate
+
+    problem = seed_sequences(16)
+    kwargs = dict(grad_accum_steps=2, micro_batch_size=4, num_processes=2)
+    results = {}
+
+    def simulated():
+        results["simulated"] = simulate(problem, "token_normalised", **kwargs)
+
+    def real():
+        results["real"] = real_run(problem, "token_normalised", **kwargs)
+
+    times = _interleaved({"simulated": simulated, "real": real}, repeats=3 if quick else 8)
+    sim, launched = _median_ms(times["simulated"]), _median_ms(times["real"])
+    return {"simulated_ms": sim, "real_launch_ms": launched, "real_over_simulated": launched / sim,
+            "same_result_max_diff": results["real"].max_difference(results["simulated"])}
+
+
+def bench_widgets(quick: bool) -> dict:
+    from gaccum_lib import widgets
+
+    sequences = {
+        "regression_explorer": [dict(grad_accum_steps=g) for g in (1, 2, 8, 4)] + [dict(lr=0.01), dict(epochs=5)],
+        "variable_length_explorer": [dict(grad_accum_steps=g) for g in (2, 8, 4)]
+        + [dict(num_processes=p) for p in (2, 4, 1)] + [dict(spread=s) for s in (0.0, 1.0, 0.5)]
+        + [dict(micro_batch_size=m) for m in (1, 4, 2)],
+        "schedule_explorer": [dict(grad_accum_steps=g) for g in (1, 8, 4)] + [dict(num_processes=p) for p in (1, 4)],
+    }
+    out = {}
+    for name, changes in sequences.items():
+        explorer = getattr(widgets, name)(strict=True)
+        first = explorer.state.answer_ms[0]
+        for change in changes * (1 if quick else 2):
+            explorer.set(**change)
+        answers = explorer.state.answer_ms[1:]
+        out[name] = {"changes": len(answers), "median_ms": statistics.median(answers), "worst_ms": max(answers),
+                     "first_display_ms": first}
+    out["median_ms_all"] = statistics.median(
+        [a for name in sequences for a in [out[name]["median_ms"]]])
+    return out
+
+
+BARE_NOTEBOOK = {
+    "cells": [{"cell_type": "code", "execution_count": None, "id": "bare", "metadata": {}, "outputs": [],
+               "source": ["import torch\n", "assert torch.ones(1).item() == 1.0"]}],
+    "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}},
+    "nbformat": 4, "nbformat_minor": 5,
+}
+
+
+def _nbmake_seconds(path: Path) -> float:
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "pytest", "--nbmake", "-q", "-p", "no:cacheprovider", str(path)],
+                            cwd=path.parent, capture_output=True, text=True)
+    elapsed = time.perf_counter() - start
+    if result.returncode != 0:
+        raise RuntimeError(f"{path.name} failed under nbmake:\n{result.stdout[-2000:]}")
+    return elapsed
+
+
+def bench_notebooks(quick: bool) -> dict:
+    notebooks = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    with tempfile.TemporaryDirectory() as folder:
+        work = Path(folder)
+        bare = work / "bare.ipynb"
+        bare.write_text(json.dumps(BARE_NOTEBOOK))
+        copies = []
+        for nb in notebooks:
+            copy = work / nb.name
+            copy.write_text(nb.read_text())
+            copies.append(copy)
+        bare_times = [_nbmake_seconds(bare)]
+        seconds = {}
+        for copy in copies:
+            seconds[copy.name] = _nbmake_seconds(copy)
+            bare_times.append(_nbmake_seconds(bare))  # interleaved: drift hits both
+    bare_s = statistics.median(bare_times)
+    return {"bare_notebook_s": bare_s,
+            "notebooks": {name: {"seconds": s, "times_bare": s / bare_s} for name, s in seconds.items()}}
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def machine() -> dict:
+    from importlib import metadata
+
+    import torch
+
+    return {"python": platform.python_version(), "platform": f"{platform.system()} {platform.machine()}",
+            "cpu_cores": os.cpu_count(), "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+            "torch": torch.__version__, "accelerate": metadata.version("accelerate"),
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def table(results: dict) -> str:
+    lines = [f"machine: {results['machine']['cpu_cores']} cores, {results['machine']['gpus']} GPUs, "
+             f"torch {results['machine']['torch']}, accelerate {results['machine']['accelerate']}"]
+    r = results.get("strategy_cost")
+    if r:
+        lines.append(f"strategy cost     token-normalised / naive per update: {r['token_over_naive']:.3f} "
+                     f"({r['token_ms_per_update']:.2f} vs {r['naive_ms_per_update']:.2f} ms, "
+                     f"GA {r['grad_accum_steps']})")
+    r = results.get("allreduce")
+    if r:
+        counts = r["allreduce_rounds_per_update"]
+        lines.append(f"all-reduce        rounds per update: no_sync {counts['no_sync']}, without "
+                     f"{counts['every_micro_batch']} (GA {r['grad_accum_steps']}); time without / with no_sync: "
+                     f"{r['every_micro_batch_over_no_sync']:.2f}x ({r['gradient_mib']:.0f} MiB of gradients, "
+                     f"{r['device']})")
+    r = results.get("memory")
+    if r:
+        row = r["rows"]
+        lines.append("memory            effective batch " + ", ".join(str(x["effective_batch"]) for x in row))
+        lines.append("                  big batch MiB    " + ", ".join(f"{x['big_batch_mib']:.1f}" for x in row))
+        lines.append("                  accumulation MiB " + ", ".join(f"{x['accumulation_mib']:.1f}" for x in row))
+    r = results.get("simulator")
+    if r:
+        lines.append(f"simulator         real launch / simulator: {r['real_over_simulated']:.0f}x "
+                     f"({r['real_launch_ms']:.0f} vs {r['simulated_ms']:.1f} ms), same result to "
+                     f"{r['same_result_max_diff']:.1e}")
+    r = results.get("widgets")
+    if r:
+        for name, w in r.items():
+            if isinstance(w, dict):
+                lines.append(f"widget            {name}: median {w['median_ms']:.0f} ms, worst {w['worst_ms']:.0f} ms "
+                             f"over {w['changes']} changes (first display {w['first_display_ms']:.0f} ms)")
+    r = results.get("notebooks")
+    if r:
+        lines.append(f"notebooks         bare notebook (import torch): {r['bare_notebook_s']:.1f} s under nbmake")
+        for name, n in r["notebooks"].items():
+            lines.append(f"                  {name:<36} {n['seconds']:5.1f} s = {n['times_bare']:.1f}x bare")
+    return "\n".join(lines)
+
+
+def load(path: Path | None = None) -> dict:
+    """The saved results (benchmarks/results.json by default)."""
+    path = Path(path) if path is not None else ROOT / "benchmarks" / "results.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: run `make bench` first")
+    return json.loads(path.read_text())
+
+
+def plot(results: dict, path: Path | None = None):
+    """Four panels: memory, widget answer times, notebook run times, cost ratios; saved if ``path``."""
+    from matplotlib.figure import Figure
+
+    from gaccum_lib import plots
+
+    plots.apply_style()
+    fig = Figure(figsize=(13, 9), layout="constrained")
+    axes = fig.subplots(2, 2)
+    if "memory" in results:
+        rows = results["memory"]["rows"]
+        batches = [r["effective_batch"] for r in rows]
+        axes[0, 0].plot(batches, [r["big_batch_mib"] for r in rows], label="one big batch",
+                        **plots.style_for("full_batch"))
+        axes[0, 0].plot(batches, [r["accumulation_mib"] for r in rows], label="accumulation",
+                        **plots.style_for("token_normalised"))
+        axes[0, 0].set(xscale="log", xlabel="effective batch", ylabel="peak MiB", title="memory of one update")
+        axes[0, 0].legend()
+    if "widgets" in results:
+        names = [n for n, w in results["widgets"].items() if isinstance(w, dict)]
+        medians = [results["widgets"][n]["median_ms"] for n in names]
+        worst = [results["widgets"][n]["worst_ms"] for n in names]
+        x = range(len(names))
+        axes[0, 1].bar([i - 0.2 for i in x], medians, width=0.4, label="median", color=plots.OKABE_ITO["blue"])
+        axes[0, 1].bar([i + 0.2 for i in x], worst, width=0.4, label="worst", color=plots.OKABE_ITO["orange"],
+                       hatch="//")
+        axes[0, 1].axhline(200, color="0.4", linestyle="--", label="200 ms")
+        axes[0, 1].set_xticks(list(x), [n.replace("_explorer", "") for n in names])
+        axes[0, 1].set(ylabel="ms (compute + redraw)", title="widget answer time")
+        axes[0, 1].legend()
+    if "notebooks" in results:
+        nbs = results["notebooks"]["notebooks"]
+        names = list(nbs)
+        axes[1, 0].barh(names, [nbs[n]["times_bare"] for n in names], color=plots.OKABE_ITO["sky"])
+        axes[1, 0].axvline(4, color="0.4", linestyle="--", label="4x bare")
+        axes[1, 0].set(xlabel="nbmake time / bare notebook's", title="notebook run time")
+        axes[1, 0].invert_yaxis()
+        axes[1, 0].legend()
+    ratios = {}
+    if "strategy_cost" in results:
+        ratios["token-normalised\n/ naive"] = results["strategy_cost"]["token_over_naive"]
+    if "allreduce" in results:
+        ratios["sync every\nmicro-batch / no_sync"] = results["allreduce"]["every_micro_batch_over_no_sync"]
+    if ratios:
+        axes[1, 1].bar(list(ratios), list(ratios.values()), color=plots.OKABE_ITO["green"])
+        axes[1, 1].axhline(1, color="0.4")
+        axes[1, 1].set(ylabel="time ratio", title="what the methods cost")
+    if path is not None:
+        fig.savefig(path, dpi=80)
+    return fig
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {', '.join(SECTIONS)}")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results.json")
+    parser.add_argument("--plot", type=Path, default=ROOT / "benchmarks" / "results.png")
+    args = parser.parse_args(argv)
+    chosen = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = sorted(set(chosen) - set(SECTIONS))
+    if unknown:
+        parser.error(f"--only: unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}")
+    # The multi-process section forks: run it before anything in this process could touch CUDA.
+    order = [s for s in SECTIONS if s in chosen]
+    results = {"machine": machine(), "quick": args.quick}
+    for section in order:
+        start = time.perf_counter()
+        print(f"[bench] {section} ...", flush=True)
+        results[section] = globals()[f"bench_{section}"](args.quick)
+        print(f"[bench] {section} done in {time.perf_counter() - start:.1f} s", flush=True)
+    print(table(results))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, args.plot)
+    print(f"wrote {args.out} and {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
