@@ -1,0 +1,20 @@
+"""The README's Python examples run and do what the README says."""
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_readme_python_examples_run(capsys):
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert blocks, "the README should show at least one runnable Python example"
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"README.md python block {i}", "exec"), {"__name__": "readme_example"})
+    assert "check_accumulation passed" in capsys.readouterr().out
+
+
+def test_readme_opens_with_the_two_commands():
+    text = (ROOT / "README.md").read_text()
+    first_block = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
+    assert first_block.splitlines()[0].startswith("make lab") and first_block.splitlines()[1].startswith("make test")
