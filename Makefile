@@ -1,6 +1,7 @@
 # gaccum: two commands from a fresh clone.
 #   make lab    environment + JupyterLab on 127.0.0.1 (token auth)
-#   make test   environment + every check (lint, unit tests, notebooks)
+#   make test   environment + every check (lint, unit tests, notebooks, notebooks in a real browser)
+#   make html   environment + the lessons as a static, offline site in build/site/
 #
 # The environment is .venv, built from requirements/lock.txt (exact pins) plus torch, whose
 # build depends on the machine: CPU by default, so no CUDA package lands on a machine
@@ -22,11 +23,12 @@ LAB_PORT ?= 8888
 NB_WORKERS ?= 2
 EXECUTED := build/executed
 
-.PHONY: help env lab test lint unit notebooks strip lock clean
+.PHONY: help env lab test lint unit notebooks browser html strip lock clean
 
 help:
 	@echo "make lab    - set up .venv (first time only) and start JupyterLab on http://127.0.0.1:$(LAB_PORT)"
-	@echo "make test   - set up .venv (first time only) and run lint, unit tests and every notebook"
+	@echo "make test   - set up .venv (first time only) and run lint, unit tests and every notebook (also in a browser)"
+	@echo "make html   - execute every notebook and render a static, offline site in build/site/"
 	@echo "make strip  - remove outputs from the notebooks (the committed form)"
 	@echo "make lock   - re-resolve requirements/top-level.txt into requirements/lock.txt and environment.yml"
 
@@ -53,7 +55,7 @@ lab: $(STAMP)
 	$(VENV)/bin/jupyter lab --no-browser --ServerApp.ip=127.0.0.1 --ServerApp.port=$(LAB_PORT) \
 	  --ServerApp.root_dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-test: lint unit notebooks
+test: lint unit notebooks browser
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check gaccum_lib tests scripts notebooks
@@ -69,6 +71,19 @@ notebooks: $(STAMP)
 	$(PY) -m pytest --nbmake --overwrite $(if $(filter 0,$(NB_WORKERS)),,-n $(NB_WORKERS)) \
 	  -p no:cacheprovider -q $(EXECUTED)/*.ipynb
 	$(PY) -m pytest tests -q -m notebooks -p no:cacheprovider
+
+# Every notebook in a real browser: JupyterLab from .venv (127.0.0.1, token) driven through Debian's
+# Chromium by Playwright -- Run All, no error output or console error, sliders redraw their plots,
+# launch buttons answer. Screenshots go to build/screenshots/. Without Chromium it fails, saying
+# how to install it (`apt-get install -y chromium`; .ci/run does it).
+browser: $(STAMP)
+	$(PY) -m pytest tests/browser -q --tb=short -p no:cacheprovider
+
+# The lessons as a static site that works offline: executes every notebook (widgets keep their
+# last state), renders build/site/index.html and one page per notebook, then checks the result.
+html: $(STAMP)
+	$(PY) scripts/build_site.py --out build/site --jobs $(if $(filter 0,$(NB_WORKERS)),1,$(NB_WORKERS))
+	GACCUM_SITE=build/site $(PY) -m pytest tests/test_site.py -q -p no:cacheprovider
 
 strip: $(STAMP)
 	$(PY) scripts/check_notebooks.py --strip notebooks

@@ -1,0 +1,281 @@
+"""Fixtures of the real-browser test: a JupyterLab of this project's .venv, and Chromium driven by Playwright.
+
+This folder is collected only when it is named on the command line (`make browser` runs
+`pytest tests/browser`): `pytest tests` -- and so `make unit` and `make notebooks` -- leave it
+alone, because it needs Chromium and takes a minute or two.
+
+Settings (environment variables):
+
+- ``GACCUM_BROWSER_NOTEBOOKS``: notebooks to test instead of every ``notebooks/*.ipynb``,
+  separated by ``:`` (files, or folders whose ``*.ipynb`` are all taken). For trying the test
+  on a scratch notebook; CI never sets it. JupyterLab still serves every lesson next to them.
+- ``GACCUM_CHROMIUM``: the Chromium executable (default: ``chromium`` on the PATH, then
+  ``/usr/bin/chromium``). Where none is found every test FAILS, saying how to install it.
+  The browser is never skipped and never downloaded (no ``playwright install``).
+- ``GACCUM_SCREENSHOTS``: where the screenshots go (default ``build/screenshots``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+SCREENSHOTS = Path(os.environ.get("GACCUM_SCREENSHOTS", ROOT / "build" / "screenshots"))
+
+# Flags for a headless Chromium that talks to nothing but the local JupyterLab.
+CHROMIUM_FLAGS = [
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--no-default-browser-check",
+    "--disable-dev-shm-usage",
+]
+
+# JupyterLab user settings for the test: every cell attached to the page (so the test sees all
+# outputs), and no news or update checks (they would reach the internet and pop up a toast).
+LAB_SETTINGS = {
+    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false",
+                                                                        "checkForUpdates": False},
+}
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Collect this folder only when the command line names it (or a file in it)."""
+    if collection_path.parent != HERE or collection_path.suffix != ".py":
+        return None
+    for arg in config.args:
+        target = Path(str(arg).split("::")[0]).resolve()
+        if target == HERE or HERE in target.parents:
+            return None
+    return True
+
+
+def notebooks_under_test() -> list[Path]:
+    spec = os.environ.get("GACCUM_BROWSER_NOTEBOOKS", "").strip()
+    entries = [Path(p) for p in spec.split(":") if p.strip()] if spec else [ROOT / "notebooks"]
+    found = []
+    for entry in entries:
+        if entry.is_dir():
+            found += sorted(entry.glob("*.ipynb"))
+        elif entry.suffix == ".ipynb" and entry.exists():
+            found.append(entry)
+        else:
+            raise pytest.UsageError(f"GACCUM_BROWSER_NOTEBOOKS names {entry}: not a notebook or folder")
+    if not found:
+        raise pytest.UsageError(f"no notebook found in {entries}")
+    return found
+
+
+def find_chromium() -> str:
+    chosen = os.environ.get("GACCUM_CHROMIUM", "")
+    candidates = [chosen] if chosen else [shutil.which("chromium") or "", "/usr/bin/chromium"]
+    for candidate in candidates:
+        if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    pytest.fail(f"Chromium not found ({chosen or 'chromium on the PATH, /usr/bin/chromium'}), so the notebooks "
+                "cannot be tested in a real browser. Install Debian's "
+                "Chromium (`apt-get install -y chromium`, as root; `.ci/run` does it) or point GACCUM_CHROMIUM "
+                "at a Chromium executable. Never `playwright install`: it downloads.", pytrace=False)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Lab:
+    """A running JupyterLab: its URL, token, folder of notebook copies, and REST helpers."""
+
+    def __init__(self, url: str, token: str, root: Path, process: subprocess.Popen, log: Path):
+        self.url, self.token, self.root, self.process, self.log = url, token, root, process, log
+
+    def api(self, method: str, path: str):
+        request = urllib.request.Request(f"{self.url}{path}", method=method,
+                                         headers={"Authorization": f"token {self.token}"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            body = response.read()
+        return json.loads(body) if body else None
+
+    def shutdown_kernels(self) -> None:
+        """End every session and kernel (one notebook's kernel must not slow the next down)."""
+        for session in self.api("GET", "/api/sessions"):
+            self.api("DELETE", f"/api/sessions/{session['id']}")
+        for kernel in self.api("GET", "/api/kernels"):
+            self.api("DELETE", f"/api/kernels/{kernel['id']}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _process_table() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, start time), from /proc."""
+    table = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            table[int(stat.parent.name)] = (int(fields[1]), fields[19])
+    return table
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """Processes below ``pid`` with their start times (kernels run in sessions of their own, so a
+    process-group kill misses them, and so do the processes a launch cell forks)."""
+    table = _process_table()
+    children = {}
+    for child, (parent, _) in table.items():
+        children.setdefault(parent, []).append(child)
+    found, todo = {}, [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found[child] = table[child][1]
+            todo.append(child)
+    return found
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """Stop JupyterLab (its process group) and every process it started, even if it hangs."""
+    if process.poll() is not None:
+        return
+    started = _descendants(process.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)  # the server shuts its kernels down on the way out
+    try:
+        process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+    table = _process_table()
+    for pid, start in started.items():
+        if table.get(pid, (None, None))[1] == start:  # still the very process we saw, not a reused id
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="session")
+def lab(tmp_path_factory):
+    """JupyterLab from .venv on 127.0.0.1 with a token, serving copies of the notebooks under test."""
+    base = tmp_path_factory.mktemp("lab")
+    root = base / "notebooks"
+    root.mkdir()
+    # Copies (the committed notebooks are never touched), and all of them: a lesson may check its
+    # siblings (00 compares the lesson map with the folder), as under `make notebooks`.
+    for notebook in [*sorted((ROOT / "notebooks").glob("*.ipynb")), *notebooks_under_test()]:
+        shutil.copy(notebook, root / notebook.name)
+    settings = base / "settings"
+    for name, values in LAB_SETTINGS.items():
+        (settings / name).parent.mkdir(parents=True, exist_ok=True)
+        (settings / name).write_text(json.dumps(values))
+    dirs = {"JUPYTER_CONFIG_DIR": "config", "JUPYTER_RUNTIME_DIR": "runtime", "JUPYTER_DATA_DIR": "data",
+            "JUPYTERLAB_WORKSPACES_DIR": "workspaces", "IPYTHONDIR": "ipython"}
+    env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(settings), JUPYTER_PLATFORM_DIRS="1",
+               **{key: str(base / name) for key, name in dirs.items()})
+    token = secrets.token_hex(24)
+    port = _free_port()
+    # Token auth on 127.0.0.1 only; no news, update check or extension manager: nothing goes online.
+    command = [str(Path(sys.executable).parent / "jupyter"), "lab", "--no-browser",
+               "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
+               f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
+               "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+               "--LabApp.extension_manager=readonly"]
+    if os.geteuid() == 0:
+        command.append("--allow-root")
+    log = base / "jupyterlab.log"
+    with log.open("w") as sink:
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=root,
+                                   start_new_session=True)
+    server = Lab(f"http://127.0.0.1:{port}", token, root, process, log)
+    _LAB_LOG.append(log)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"JupyterLab exited with {process.returncode}:\n{server.log_tail()}", pytrace=False)
+            with contextlib.suppress(OSError, urllib.error.URLError):
+                server.api("GET", "/api/status")
+                break
+            if time.monotonic() > deadline:
+                pytest.fail(f"JupyterLab did not answer within 60 s:\n{server.log_tail()}", pytrace=False)
+            time.sleep(0.25)
+        yield server
+    finally:
+        _stop(process)
+
+
+@pytest.fixture(scope="session")
+def browser(tmp_path_factory):
+    """Headless Debian Chromium, launched by Playwright (never a downloaded browser)."""
+    from playwright.sync_api import sync_playwright
+
+    executable = find_chromium()
+    profile = tmp_path_factory.mktemp("chromium-profile")
+    as_root = os.geteuid() == 0  # Chromium's sandbox cannot run as root
+    args = [*CHROMIUM_FLAGS, *(["--no-sandbox"] if as_root else [])]
+    with sync_playwright() as playwright:
+        # A persistent context is how Playwright takes a fresh --user-data-dir of our choosing.
+        context = playwright.chromium.launch_persistent_context(
+            str(profile), executable_path=executable, headless=True, args=args,
+            viewport={"width": 1280, "height": 900}, chromium_sandbox=not as_root)
+        try:
+            yield context
+        finally:
+            context.close()
+
+
+def pytest_generate_tests(metafunc):
+    if "notebook" in metafunc.fixturenames:
+        notebooks = notebooks_under_test()
+        metafunc.parametrize("notebook", notebooks, ids=[p.name for p in notebooks])
+
+
+@pytest.fixture(scope="session")
+def screenshots() -> Path:
+    return SCREENSHOTS
+
+
+_RESULTS: list[dict] = []
+_LAB_LOG: list[Path] = []
+
+
+@pytest.fixture(scope="session")
+def results():
+    """Timings and screenshot paths, printed at the end of the run."""
+    return _RESULTS
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _RESULTS:
+        return
+    write = terminalreporter.write_line
+    if terminalreporter.stats.get("failed") or terminalreporter.stats.get("error"):
+        for log in _LAB_LOG:
+            terminalreporter.section("JupyterLab log (last 30 lines)")
+            write("\n".join(log.read_text(errors="replace").splitlines()[-30:]))
+    terminalreporter.section("notebooks in a real browser")
+    nan = float("nan")
+    for r in _RESULTS:
+        write(f"{r['notebook']:<34} open {r.get('open_s', nan):4.1f} s  run all {r.get('run_s', nan):4.1f} s  "
+              f"whole test {r.get('total_s', nan):4.1f} s  sliders moved {r.get('sliders', 0)}  "
+              f"buttons clicked {r.get('buttons', 0)}")
+    write(f"screenshots ({len(_RESULTS)}), one per notebook:")
+    for r in _RESULTS:
+        write(f"  {r.get('screenshot', '(none)')}")
