@@ -23,12 +23,14 @@ LAB_PORT ?= 8888
 NB_WORKERS ?= 2
 EXECUTED := build/executed
 
-.PHONY: help env lab test lint unit notebooks browser html strip lock clean
+.PHONY: help env lab test lint unit notebooks browser html bench determinism strip lock clean
 
 help:
 	@echo "make lab    - set up .venv (first time only) and start JupyterLab on http://127.0.0.1:$(LAB_PORT)"
 	@echo "make test   - set up .venv (first time only) and run lint, unit tests and every notebook (also in a browser)"
 	@echo "make html   - execute every notebook and render a static, offline site in build/site/"
+	@echo "make bench  - measure what accumulation costs and saves (a few minutes); writes benchmarks/results.*"
+	@echo "make determinism - run every notebook 3 times and check it prints the same numbers"
 	@echo "make strip  - remove outputs from the notebooks (the committed form)"
 	@echo "make lock   - re-resolve requirements/top-level.txt into requirements/lock.txt and environment.yml"
 
@@ -58,7 +60,7 @@ lab: $(STAMP)
 test: lint unit notebooks browser
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check gaccum_lib tests scripts notebooks
+	$(VENV)/bin/ruff check gaccum_lib tests scripts examples solutions notebooks
 	$(PY) scripts/check_notebooks.py notebooks
 
 unit: $(STAMP)
@@ -84,6 +86,13 @@ browser: $(STAMP)
 html: $(STAMP)
 	$(PY) scripts/build_site.py --out build/site --jobs $(if $(filter 0,$(NB_WORKERS)),1,$(NB_WORKERS))
 	GACCUM_SITE=build/site $(PY) -m pytest tests/test_site.py -q -p no:cacheprovider
+
+# Ratios and counts measured in one run; the results are committed and shown by notebook 07 and the README.
+bench: $(STAMP)
+	$(PY) -m gaccum_lib.bench --out benchmarks/results.json --plot benchmarks/results.png
+
+determinism: $(STAMP)
+	$(PY) scripts/check_determinism.py --runs 3
 
 strip: $(STAMP)
 	$(PY) scripts/check_notebooks.py --strip notebooks

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ._checks import check_float, check_int
+from ._threads import single_thread
 from .data import Problem
 from .sharding import plan_windows
 from .strategies import LABELS, check_strategy, plain_backward_loss
@@ -115,6 +116,12 @@ def simulate(
     """
     check_strategy(strategy)
     check_training_args(problem, grad_accum_steps, micro_batch_size, num_processes, lr, epochs)
+    with single_thread():
+        return _simulate(problem, strategy, grad_accum_steps, micro_batch_size, num_processes, lr, epochs,
+                         even_batches)
+
+
+def _simulate(problem, strategy, grad_accum_steps, micro_batch_size, num_processes, lr, epochs, even_batches):
     plan = plan_windows(problem.micro_batch_indices(micro_batch_size), micro_batch_size=micro_batch_size,
                         grad_accum_steps=grad_accum_steps, num_processes=num_processes, even_batches=even_batches)
 
