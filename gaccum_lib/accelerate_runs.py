@@ -198,6 +198,7 @@ def real_run(
     even_batches: bool = True,
     device: str = "auto",
     verbose: bool = False,
+    timeout: float | None = 300.0,
 ) -> Trajectory:
     """Launch :func:`accelerate_train` in ``num_processes`` real processes; return the combined trajectory."""
     check_strategy(strategy, allow_full_batch=False)
@@ -208,7 +209,7 @@ def real_run(
     kwargs = dict(grad_accum_steps=grad_accum_steps, micro_batch_size=micro_batch_size, lr=lr, epochs=epochs,
                   sync_mode=sync_mode, even_batches=even_batches, verbose=verbose)
     records = launch(_train_entry, (problem.spec, strategy, kwargs), num_processes=num_processes, device=device,
-                     quiet=not verbose)
+                     quiet=not verbose, timeout=timeout)
     return trajectory_from_ranks(records, strategy=strategy, grad_accum_steps=grad_accum_steps,
                                  micro_batch_size=micro_batch_size, lr=lr)
 
