@@ -332,7 +332,11 @@ def plot(results: dict, path: Path | None = None):
                         **plots.style_for("full_batch"))
         axes[0, 0].plot(batches, [r["accumulation_mib"] for r in rows], label="accumulation",
                         **plots.style_for("token_normalised"))
-        axes[0, 0].set(xscale="log", xlabel="effective batch", ylabel="peak MiB", title="memory of one update")
+        axes[0, 0].set_xscale("log", base=2)
+        axes[0, 0].set_xticks(batches, [str(b) for b in batches])
+        axes[0, 0].minorticks_off()
+        axes[0, 0].set(xlabel="effective batch (examples per update)", ylabel="peak MiB",
+                       title="memory of one update (micro-batch 32)")
         axes[0, 0].legend()
     if "widgets" in results:
         names = [n for n, w in results["widgets"].items() if isinstance(w, dict)]

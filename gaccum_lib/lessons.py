@@ -14,30 +14,33 @@ class Lesson:
     notebook: str
     title: str
     aim: str
-    run_time: str  # measured under `pytest --nbmake` on a 2-core laptop-class machine
+    run_time: str  # under `pytest --nbmake` on 2 cores, kernel start included (`make bench`; a test compares)
 
 
 LESSONS = (
     Lesson("00_start_here.ipynb", "Start here",
-           "Check the environment, see the map of the suite, take the 2.04 teaser.", "about 3 s"),
+           "Check the environment, see the map of the suite, take the 2.04 teaser.", "about 6 s"),
     Lesson("01_why_accumulate.ipynb", "Why accumulate",
            "Memory measured; the plain loop; / GA vs forgetting it (2.04 vs 8.16); equal to the full batch.",
-           "about 5 s"),
+           "about 8 s"),
     Lesson("02_accelerate_does_it.ipynb", "Accelerate does it for you",
            "prepare, accumulate(), backward divides by GA, sync_gradients, the short last window, the scheduler.",
-           "about 5 s"),
+           "about 7 s"),
     Lesson("03_variable_length_trap.ipynb", "The variable-length trap",
            "Naive mean of means vs token normalisation: [0.0775, 0.4514] vs [0.0953, 0.4337]; error grows with GA.",
-           "about 6 s"),
+           "about 9 s"),
     Lesson("04_many_processes.ipynb", "Many processes",
            "x num_processes, gathering the count, no_sync, a simulator, and a real notebook_launcher run: "
-           "[0.2117, 0.3172].", "about 10 s"),
+           "[0.2117, 0.3172].", "about 9 s"),
     Lesson("05_capstone_language_model.ipynb", "Capstone: a tiny language model",
            "A character transformer on a shipped story: targets after the shift, naive vs token-normalised on 1 "
-           "and 2 real processes, the naive error growing with GA, packing hiding it.", "about 10 s"),
+           "and 2 real processes, the naive error growing with GA, packing hiding it.", "about 12 s"),
     Lesson("06_pitfalls_gallery.ipynb", "A gallery of pitfalls",
            "Fifteen silent mistakes reproduced with symptom and fix; check_accumulation catches the loop-level ones.",
-           "about 15 s"),
+           "about 10 s"),
+    Lesson("07_benchmarks.ipynb", "What it costs and saves, measured",
+           "Saved `make bench` results: token normalisation's cost, no_sync's saving, flat memory, speeds.",
+           "about 5 s"),
 )
 
 

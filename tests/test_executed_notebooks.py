@@ -38,6 +38,8 @@ EXPECTED_FIGURES = {
         "  2            8 |                  0.0466",
         " 16            1 |                  0.2321",
         "packed: 64 blocks of 58 characters, 3648 targets (one line per row: 3674)"],
+    "07_benchmarks.ipynb": ["all-reduces per update: 1 with no_sync, 8 without",
+                            "token-normalised / naive, per update:"],
     "06_pitfalls_gallery.ipynb": ["check_accumulation passed", "FAILED: loss divided by GA twice",
                                   "FAILED: mean of micro-batch means", "FAILED: token count not gathered across ranks",
                                   "FAILED: missing x num_processes", "FAILED: optimizer stepped on every micro-batch",

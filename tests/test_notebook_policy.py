@@ -53,3 +53,25 @@ def test_readme_lesson_table_is_the_lesson_map():
     readme = (ROOT / "README.md").read_text()
     block = readme.split("<!-- lessons:start -->\n", 1)[1].split("\n<!-- lessons:end -->", 1)[0]
     assert block == lesson_table()
+
+
+def test_run_times_match_the_benchmark_and_the_notebooks_say_the_same():
+    """The map's run times are `make bench`'s nbmake times (rounded up), and each notebook states its own."""
+    import math
+    import re
+
+    measured = json.loads((ROOT / "benchmarks" / "results.json").read_text())["notebooks"]["notebooks"]
+    for lesson in LESSONS:
+        stated = int(re.fullmatch(r"about (\d+) s", lesson.run_time).group(1))
+        assert abs(stated - math.ceil(measured[lesson.notebook]["seconds"])) <= 2, lesson.notebook
+        opening = "".join(json.loads((ROOT / "notebooks" / lesson.notebook).read_text())["cells"][0]["source"])
+        assert f"**Run time**: about {stated} seconds" in opening, lesson.notebook
+
+
+def test_facilitator_agenda_uses_the_measured_run_times():
+    guide = (ROOT / "docs" / "facilitator-guide.md").read_text()
+    for lesson in LESSONS:
+        row = next((line for line in guide.splitlines() if f"`{lesson.notebook.removesuffix('.ipynb')}`" in line
+                    and line.startswith("|")), None)
+        assert row is not None, f"the agenda has no row for {lesson.notebook}"
+        assert f"| {lesson.run_time} |" in row, row

@@ -18,3 +18,20 @@ def test_readme_opens_with_the_two_commands():
     text = (ROOT / "README.md").read_text()
     first_block = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
     assert first_block.splitlines()[0].startswith("make lab") and first_block.splitlines()[1].startswith("make test")
+
+
+def test_readme_benchmark_table_is_the_saved_measurement():
+    import json
+
+    results = json.loads((ROOT / "benchmarks" / "results.json").read_text())
+    text = (ROOT / "README.md").read_text()
+    allreduce = results["allreduce"]
+    expected = [
+        f"{results['strategy_cost']['token_over_naive']:.3f}x",
+        f"1 with `no_sync`, {allreduce['allreduce_rounds_per_update']['every_micro_batch']} without",
+        f"{allreduce['every_micro_batch_over_no_sync']:.2f}x",
+        f"{results['simulator']['real_over_simulated']:.0f}x slower",
+        f"regression {results['widgets']['regression_explorer']['median_ms']:.0f} /",
+        f"({results['notebooks']['bare_notebook_s']:.1f} s)",
+    ]
+    assert [e for e in expected if e not in text] == []
