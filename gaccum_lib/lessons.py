@@ -39,7 +39,7 @@ LESSONS = (
            "Fifteen silent mistakes reproduced with symptom and fix; check_accumulation catches the loop-level ones.",
            "about 10 s"),
     Lesson("07_benchmarks.ipynb", "What it costs and saves, measured",
-           "Saved `make bench` results: token normalisation's cost, no_sync's saving, flat memory, speeds.",
+           "Saved make-bench results: token normalisation's cost, no_sync's saving, flat memory, speeds.",
            "about 5 s"),
 )
 
