@@ -221,22 +221,6 @@ def plot_distance_from_reference(trajectories: dict, reference, ax=None, *, floo
     return ax
 
 
-def plot_token_counts(trajectory, ax=None):
-    """Targets each rank saw in each update (stacked bars): where the unequal weights come from."""
-    ax = _axes(ax)
-    counts = trajectory.token_counts
-    bottom = np.zeros(len(counts))
-    for rank in range(counts.shape[1]):
-        ax.bar(np.arange(1, len(counts) + 1), counts[:, rank], bottom=bottom, label=f"rank {rank}",
-               color=_FALLBACK[rank % len(_FALLBACK)], hatch=["", "//", "..", "xx"][rank % 4], edgecolor="white")
-        bottom += counts[:, rank]
-    ax.set_xlabel("optimizer update")
-    ax.set_ylabel("target tokens")
-    ax.set_title("targets per update and rank")
-    ax.legend(loc="best")
-    return ax
-
-
 def plot_memory(table: dict, ax=None):
     """Peak memory of one update as the effective batch grows: bigger batch vs accumulation."""
     ax = _axes(ax)

@@ -48,7 +48,6 @@ class Trajectory:
     losses: np.ndarray
     token_counts: np.ndarray
     rank_final_weights: np.ndarray
-    plan: list = field(repr=False, default_factory=list)
     source: str = "simulator"
     extras: dict = field(repr=False, default_factory=dict)
 
@@ -158,7 +157,7 @@ def _simulate(problem, strategy, grad_accum_steps, micro_batch_size, num_process
         strategy=strategy, grad_accum_steps=grad_accum_steps, num_processes=num_processes,
         micro_batch_size=micro_batch_size, lr=float(lr), weights=np.stack(weights),
         losses=np.asarray(losses), token_counts=np.asarray(counts, dtype=np.int64),
-        rank_final_weights=rank_final, plan=plan,
+        rank_final_weights=rank_final,
     )
 
 

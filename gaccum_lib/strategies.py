@@ -65,11 +65,9 @@ def _check_window(strategy, num_terms, window_terms, local_window_terms, grad_ac
                          "every micro-batch needs at least 1 target for the mean-of-means strategies")
     if strategy == "token_local_count":
         check_int("local_window_terms", local_window_terms, minimum=1)
-    elif strategy.startswith("token"):
-        if isinstance(window_terms, int) and window_terms == 0:
-            raise ValueError("window_terms=0: the window has no target token on any rank, so there is "
-                             "nothing to normalise by; window_terms must be >= 1")
-        check_int("window_terms", window_terms, minimum=1)
+    elif strategy.startswith("token") and check_int("window_terms", window_terms, minimum=0) == 0:
+        raise ValueError("window_terms=0: the window has no target token on any rank, so there is "
+                         "nothing to normalise by; window_terms must be >= 1")
 
 
 def plain_backward_loss(

@@ -251,12 +251,6 @@ def variable_length_explorer(*, strict: bool = False, num_sequences: int = 64) -
                     title="Variable-length sequences: naive vs token-normalised")
 
 
-def distance_summary(trajectories: dict, reference_key: str = "full_batch") -> dict:
-    """Largest weight distance of each trajectory from the reference, as plain floats."""
-    reference = trajectories[reference_key]
-    return {k: float(np.max(t.distance_from(reference))) for k, t in trajectories.items() if k != reference_key}
-
-
 def launch_explorer(*, strict: bool = False) -> Explorer:
     """Lesson 04: the seed's 2-process experiment for real (notebook_launcher) next to the simulator."""
     from .accelerate_runs import real_run
