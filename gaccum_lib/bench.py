@@ -198,7 +198,7 @@ def bench_widgets(quick: bool) -> dict:
         "regression_explorer": [dict(grad_accum_steps=g) for g in (1, 2, 8, 4)] + [dict(lr=0.01), dict(epochs=5)],
         "variable_length_explorer": [dict(grad_accum_steps=g) for g in (2, 8, 4)]
         + [dict(num_processes=p) for p in (2, 4, 1)] + [dict(spread=s) for s in (0.0, 1.0, 0.5)]
-        + [dict(micro_batch_size=m) for m in (1, 4, 2)],
+        + [dict(micro_batch_size=m) for m in (1, 4, 2)] + [dict(epochs=e) for e in (2, 1)],
         "schedule_explorer": [dict(grad_accum_steps=g) for g in (1, 8, 4)] + [dict(num_processes=p) for p in (1, 4)],
     }
     out = {}

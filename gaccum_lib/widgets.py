@@ -220,10 +220,10 @@ def variable_length_explorer(*, strict: bool = False, num_sequences: int = 64) -
     """Lessons 3 and 4: naive vs token-normalised on a corpus with a length spread, N simulated ranks."""
     from .data import sequence_corpus
 
-    def compute(grad_accum_steps, micro_batch_size, num_processes, spread, lr):
+    def compute(grad_accum_steps, micro_batch_size, num_processes, spread, lr, epochs):
         problem = sequence_corpus(num_sequences, mean_length=8.0, spread=spread)
         kwargs = dict(grad_accum_steps=grad_accum_steps, micro_batch_size=micro_batch_size,
-                      num_processes=num_processes, lr=lr)
+                      num_processes=num_processes, lr=lr, epochs=epochs)
         trajectories = {s: simulate(problem, s, **kwargs) for s in ("full_batch", "mean_of_means", "token_normalised")}
         return problem, trajectories
 
@@ -246,7 +246,9 @@ def variable_length_explorer(*, strict: bool = False, num_sequences: int = 64) -
                 "micro_batch_size": _slider("micro-batch", 2, 1, 4),
                 "num_processes": _slider("processes (simulated)", 1, 1, 4),
                 "spread": _fslider("length spread", 0.75, 0.0, 1.0, 0.05),
-                "lr": _fslider("learning rate", 0.05, 0.01, 0.1, 0.01)}
+                "lr": _fslider("learning rate", 0.05, 0.01, 0.1, 0.01),
+                # More passes over the same data: more updates, and more room for the naive run to drift.
+                "epochs": _slider("epochs (number of updates)", 1, 1, 4)}
     return Explorer(controls, compute, draw, summarize=summarize, strict=strict,
                     title="Variable-length sequences: naive vs token-normalised")
 

@@ -105,3 +105,11 @@ def test_launch_explorer_runs_real_processes_on_click():
     assert explorer.state.refreshes == 2 and real.num_processes == 3
     assert real.max_difference(explorer.state.result["simulated"]) < 1e-6
     assert np.ptp(real.rank_final_weights, axis=0).max() == 0.0
+
+
+def test_epochs_control_sets_the_number_of_updates():
+    explorer = variable_length_explorer(strict=True)
+    _, one = explorer.state.result
+    _, three = explorer.set(epochs=3).result
+    assert three["token_normalised"].num_updates == 3 * one["token_normalised"].num_updates
+    assert explorer.state.summary.startswith(f"{three['full_batch'].num_updates} updates")
