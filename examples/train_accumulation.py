@@ -23,6 +23,7 @@ import os
 import sys
 
 import numpy as np
+from accelerate import PartialState
 
 from gaccum_lib import accelerate_train, seed_sequences, simulate
 from gaccum_lib.compare import fmt_weights
@@ -59,6 +60,11 @@ def main(argv=None) -> int:
         sys.stdout.write(f"rank 0: final weights {fmt_weights(record['weights'][-1])}, simulator "
                          f"{fmt_weights(simulated.final_weights)}, largest difference {difference:.1e}\n")
         sys.stdout.flush()
+    # Leave together and close the process group: a rank that exits while its gloo threads still
+    # talk to a busy peer can abort at shutdown ("terminate called without an active exception").
+    state = PartialState()
+    state.wait_for_everyone()
+    state.destroy_process_group()
     return 0
 
 
