@@ -154,6 +154,7 @@ def _child(result_dir: str, expected_processes: int, parent_pid: int, function, 
         # (any cross_entropy does), libgomp's thread pool did not survive the fork and the
         # child's first parallel op would hang forever. One thread per process avoids it.
         torch.set_num_threads(1)
+        _wait_until_every_rank_is_forked(directory, expected_processes)
     path = directory / f"rank{rank}.pt"
     try:
         result = function(*args)
@@ -178,6 +179,25 @@ def _child(result_dir: str, expected_processes: int, parent_pid: int, function, 
         )
         _save_failure(error, path)
         raise error from exc
+
+
+def _wait_until_every_rank_is_forked(directory: Path, num_processes: int, limit_s: float = 30.0) -> None:
+    """Touch no network until the launcher has forked every rank (each rank writes its pid file first).
+
+    While an early rank connects to the launcher's TCPStore, the store's thread in the
+    launching process formats the peer's address with getnameinfo(), which holds glibc's
+    resolver lock. A rank forked at that instant inherits the lock held by a thread it does
+    not have, and its own first getnameinfo() (in its TCPStore connect) waits forever: a
+    launch that hangs about once in thirty on a busy machine. Once every rank exists, no
+    fork is left to inherit anything.
+    """
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if all((directory / f"rank{r}.pid").exists() for r in range(num_processes)):
+            return
+        time.sleep(0.005)
+    # A rank that never appeared failed to start: the launcher reports it; go on and let the
+    # rendezvous say so rather than hide it here.
 
 
 def _save_failure(exc: BaseException, path: Path) -> None:

@@ -586,3 +586,22 @@ def test_the_timeout_names_only_the_ranks_that_had_not_finished():
 def test_the_timeout_is_checked(timeout, error, message):
     with pytest.raises(error, match=message):
         launch(_rank_and_world, num_processes=2, timeout=timeout)
+
+
+def test_ranks_wait_for_every_sibling_before_touching_the_network(tmp_path):
+    """The fork/resolver-lock race: a rank proceeds only once every rank's pid file exists."""
+    import threading
+
+    launch_module = importlib.import_module("gaccum_lib.launch")
+    (tmp_path / "rank0.pid").write_text("1")
+    released = threading.Event()
+    waiter = threading.Thread(target=lambda: (launch_module._wait_until_every_rank_is_forked(tmp_path, 2),
+                                              released.set()))
+    waiter.start()
+    assert not released.wait(0.3)  # rank 1 not forked yet: still waiting
+    (tmp_path / "rank1.pid").write_text("2")
+    assert released.wait(5)
+    waiter.join()
+    started = time.monotonic()
+    launch_module._wait_until_every_rank_is_forked(tmp_path, 3, limit_s=0.2)  # rank 2 never appears
+    assert time.monotonic() - started < 5  # gives up after its limit instead of hanging
