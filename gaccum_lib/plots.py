@@ -1,7 +1,7 @@
 """Plots for the lessons: weight trajectories, paths over loss contours, losses, distances.
 
 Accessible by default: the Okabe-Ito colour-blind-safe palette, a distinct line style and
-marker per strategy (so the plots also read in grey), and fonts of at least 11 pt. Every
+marker per strategy (so the plots also read in grey), 12 pt text and none under 10 pt. Every
 function draws on axes it is given (or makes its own) and returns them, so widgets can
 redraw in place and tests can inspect what was drawn.
 """
@@ -75,7 +75,11 @@ def _styles_and_labels(trajectories: dict) -> list:
     return out
 
 
-def _integer_updates(ax) -> None:
+def _label_update_axes(ax, ylabel: str, title: str) -> None:
+    """Axes whose x is the optimizer update: whole-number ticks only."""
+    ax.set_xlabel("optimizer update")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
 
 
@@ -101,10 +105,7 @@ def plot_weight_trajectories(trajectories: dict, ax=None, *, component_names=Non
         for t, (style, label) in zip(trajectories.values(), _styles_and_labels(trajectories), strict=True):
             steps = np.arange(len(t.weights))
             axis.plot(steps, t.weights[:, panel], label=label, markevery=_markevery(len(steps)), markersize=6, **style)
-        axis.set_xlabel("optimizer update")
-        axis.set_ylabel(name)
-        axis.set_title(f"{name} after each update")
-        _integer_updates(axis)
+        _label_update_axes(axis, name, f"{name} after each update")
     if legend:
         axes[0].legend(loc="best")
     return axes
@@ -166,7 +167,7 @@ def plot_weight_path(problem, trajectories: dict, ax=None, *, resolution: int = 
     elif all_w.shape[1] == 2:
         a, b, grid = _loss_grid(_spec_key(problem.spec), lo[0], hi[0], lo[1], hi[1], resolution)
         contours = ax.contour(a, b, grid, levels=14, colors="0.55", linewidths=0.8)
-        ax.clabel(contours, fontsize=9, fmt="%.2f")
+        ax.clabel(contours, fontsize=10, fmt="%.2f")
         for t, (style, label) in zip(trajectories.values(), _styles_and_labels(trajectories), strict=True):
             ax.plot(t.weights[:, 0], t.weights[:, 1], label=label, markevery=_markevery(len(t.weights)),
                     markersize=6, **style)
@@ -187,10 +188,7 @@ def plot_losses(trajectories: dict, ax=None, *, legend: bool = True):
     ax = _axes(ax)
     for t, (style, label) in zip(trajectories.values(), _styles_and_labels(trajectories), strict=True):
         ax.plot(np.arange(1, t.num_updates + 1), t.losses, label=label, markevery=_markevery(t.num_updates), **style)
-    ax.set_xlabel("optimizer update")
-    ax.set_ylabel("loss per target token")
-    ax.set_title("training loss")
-    _integer_updates(ax)
+    _label_update_axes(ax, "loss per target token", "training loss")
     if legend:
         ax.legend(loc="best")
     return ax
@@ -212,10 +210,7 @@ def plot_distance_from_reference(trajectories: dict, reference, ax=None, *, floo
     ax.axhline(tolerance, color="0.5", linewidth=1, linestyle="--")
     ax.text(0.99, tolerance * 1.4, f"{tolerance:.0e}: tolerance for equal", fontsize=10, color="0.35", ha="right",
             transform=ax.get_yaxis_transform())
-    ax.set_xlabel("optimizer update")
-    ax.set_ylabel("distance to full batch")
-    ax.set_title("how far from the full-batch run")
-    _integer_updates(ax)
+    _label_update_axes(ax, "distance to full batch", "how far from the full-batch run")
     if legend:
         ax.legend(loc="best")
     return ax
