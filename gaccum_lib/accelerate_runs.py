@@ -23,6 +23,7 @@ import torch
 
 from ._checks import check_choice
 from .data import Problem, make_problem
+from .env import gpu_count
 from .launch import launch
 from .sharding import plan_windows
 from .simulate import Trajectory, check_training_args, flat_weights
@@ -103,7 +104,7 @@ def accelerate_train(
 
     accelerator = Accelerator(
         gradient_accumulation_steps=grad_accum_steps,
-        cpu=cpu if cpu is not None else not torch.cuda.is_available(),
+        cpu=cpu if cpu is not None else gpu_count() == 0,
         dataloader_config=DataLoaderConfiguration(even_batches=even_batches),
         # A rank that waits for a crashed peer gives up after a minute instead of 30.
         kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=60))],

@@ -262,8 +262,10 @@ def machine() -> dict:
 
     import torch
 
+    from gaccum_lib.env import gpu_count
+
     return {"python": platform.python_version(), "platform": f"{platform.system()} {platform.machine()}",
-            "cpu_cores": os.cpu_count(), "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+            "cpu_cores": os.cpu_count(), "gpus": gpu_count(),
             "torch": torch.__version__, "accelerate": metadata.version("accelerate"),
             "date": time.strftime("%Y-%m-%d")}
 

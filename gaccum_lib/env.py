@@ -46,15 +46,28 @@ def installed_cuda_packages() -> tuple:
     return tuple(sorted(n for n in names if n.startswith("nvidia-") or n == "triton"))
 
 
+def gpu_count() -> int:
+    """Number of CUDA devices, counted without initialising CUDA (so a later fork still works).
+
+    ``torch.cuda.is_available()`` calls ``cuInit`` (unless PYTORCH_NVML_BASED_CUDA_CHECK=1),
+    after which CUDA fails in forked children: notebook_launcher could no longer start GPU
+    processes. ``device_count()`` asks NVML first and only falls back to the CUDA runtime when
+    NVML cannot answer -- the same check Accelerate makes before it forks.
+    """
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def environment() -> Environment:
     """Describe this kernel without initialising CUDA (so a later notebook_launcher can still fork).
 
-    ``torch.cuda.device_count()`` does not create a CUDA context; ``get_device_name`` would,
+    GPUs are counted by :func:`gpu_count`; ``get_device_name`` would create a CUDA context,
     which is why GPU names are not listed.
     """
     import torch
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = gpu_count()
     backend = f"NCCL on {gpus} GPUs" if gpus >= 2 else "gloo on CPU processes"
     return Environment(
         python=sys.version.split()[0],

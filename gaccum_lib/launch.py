@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from ._checks import check_choice, check_float, check_int
+from .env import gpu_count
 
 #: Seconds a launch may run before its processes are killed (``launch(..., timeout=None)``: no limit).
 DEFAULT_TIMEOUT = 300.0
@@ -68,11 +69,6 @@ class LaunchError(RuntimeError):
 def cpu_process_limit() -> int:
     """Most CPU processes :func:`launch` accepts: twice the cores (at least 2)."""
     return max(2, 2 * (os.cpu_count() or 1))
-
-
-def gpu_count() -> int:
-    """Number of CUDA devices, found without creating a CUDA context (safe before a fork)."""
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def choose_device(num_processes: int, device: str = "auto") -> str:

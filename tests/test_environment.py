@@ -108,3 +108,21 @@ def test_jupyterlab_started_like_make_lab_refuses_requests_without_the_token(tmp
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
+
+
+def test_gpus_are_counted_without_the_cuda_check_that_breaks_a_later_fork(monkeypatch):
+    # torch.cuda.is_available() runs cuInit; forked launcher children then cannot use CUDA.
+    # Stand in for a 2-GPU machine whose every fork-unsafe probe fails loudly.
+    from gaccum_lib.bench import machine
+    from gaccum_lib.launch import choose_device
+
+    def fork_poisoning_probe():
+        raise AssertionError("torch.cuda.is_available() was called before a launch")
+
+    monkeypatch.setattr(torch.cuda, "is_available", fork_poisoning_probe)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert environment().gpus == 2
+    assert environment().launch_backend == "NCCL on 2 GPUs"
+    assert machine()["gpus"] == 2
+    assert choose_device(2) == "gpu"
+    assert not torch.cuda.is_initialized()
