@@ -219,8 +219,9 @@ def plot_distance_from_reference(trajectories: dict, reference, ax=None, *, floo
 def plot_memory(table: dict, ax=None):
     """Peak memory of one update as the effective batch grows: bigger batch vs accumulation."""
     ax = _axes(ax)
-    names = {"full_batch": "one big batch", "accumulation": "accumulation (fixed micro-batch)"}
-    styles = {"full_batch": "full_batch", "accumulation": "token_normalised"}
+    names = {"full_batch": "one big batch", "accumulation": "accumulation (fixed micro-batch)",
+             "summed_loss": "micro-batches, one backward of the summed loss"}
+    styles = {"full_batch": "full_batch", "accumulation": "token_normalised", "summed_loss": "mean_of_means"}
     for key, rows in table.items():
         batches = [r.effective_batch for r in rows]
         ax.plot(batches, [r.peak / 2**20 for r in rows], label=names.get(key, key), **style_for(styles.get(key, key)))
