@@ -37,7 +37,7 @@ from __future__ import annotations
 import numbers
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from ._checks import check_float, check_int
+from .data import IGNORE_INDEX
 from .sharding import shard_batches
 from .strategies import plain_backward_loss
 
@@ -87,6 +88,12 @@ _ISSUES = {
         "missing x num_processes",
         "the update is 1/num_processes of the reference; DDP averages the gradients over the ranks, so a loss "
         "divided by the global target count must be multiplied by num_processes",
+    ),
+    "counted_before_shift": (
+        "targets counted before the shift",
+        "the update is (targets after the shift) / (targets before the shift) of the reference; the loss predicts "
+        "token t + 1 at position t, so a row has one target fewer than it has labels that are not -100; count "
+        "the shifted labels (labels[:, 1:] != -100), as the loss does",
     ),
 }
 
@@ -599,13 +606,21 @@ def _raise_rank_errors(errors, collective, num_processes, windows_reached) -> No
 # ----------------------------------------------------------------------------------------------
 
 
-def _candidate_updates(grads, counts, shard_indices, grad_accum_steps, num_processes, lr):
-    """The first update each known pitfall gives on this window: (issue keys, update vector)."""
+def _candidate_updates(grads, counts, shard_indices, grad_accum_steps, num_processes, lr, counts_before_shift=None):
+    """The first update each known pitfall gives on this window: (issue keys, update vector).
+
+    ``counts_before_shift``: each micro-batch's labels that are not -100, when the loss shifts them
+    (see :func:`_counts_before_shift`); None when it does not.
+    """
     total = sum(counts)
-    local = [sum(counts[k] for k in shard) for shard in shard_indices]
     ga, world = grad_accum_steps, num_processes
 
-    def update(strategy):
+    def local_counts(per_batch):
+        return [sum(per_batch[k] for k in shard) for shard in shard_indices]
+
+    local = local_counts(counts)
+
+    def update(strategy, local=local):
         g = np.zeros(grads.shape[1])
         for r, shard in enumerate(shard_indices):
             for k in shard:
@@ -627,7 +642,39 @@ def _candidate_updates(grads, counts, shard_indices, grad_accum_steps, num_proce
         local_count = update("token_local_count")
         candidates += [(("count_not_gathered",), local_count),
                        (("count_not_gathered", "missing_world_scale"), local_count / world)]
+    if counts_before_shift is not None:
+        # The right loop with the normaliser counted before the shift: the reference scaled by after / before.
+        shifted = reference * total / sum(counts_before_shift)
+        candidates += [(("counted_before_shift",), shifted),
+                       (("divided_twice", "counted_before_shift"), shifted / ga),
+                       (("not_divided", "counted_before_shift"), shifted * ga),
+                       (("missing_world_scale", "counted_before_shift"), shifted / world)]
+        local_before = local_counts(counts_before_shift)
+        if min(local_before) >= 1:
+            candidates.append((("count_not_gathered", "counted_before_shift"),
+                               update("token_local_count", local_before)))
     return candidates
+
+
+def _counts_before_shift(micro_batches, counts) -> list[int] | None:
+    """Each micro-batch's labels that are not -100, when the loss counts its targets after a causal shift.
+
+    A causal-LM loss compares the logits at positions 0..T-2 with the labels at 1..T-1, so it
+    counts ``labels[..., 1:] != -100``. Only when every micro-batch is a mapping with integer
+    ``"labels"`` and ``loss_fn`` counted exactly those shifted labels do we know the shift applies
+    (a token classifier counts every label); and only when the two counts differ can counting
+    before the shift change the update. None otherwise: the pitfall cannot be told apart here.
+    """
+    before = []
+    for batch, count in zip(micro_batches, counts, strict=True):
+        labels = batch.get("labels") if isinstance(batch, Mapping) else None
+        if not isinstance(labels, torch.Tensor) or labels.ndim == 0 or labels.is_floating_point() \
+                or labels.dtype == torch.bool:
+            return None
+        if int(labels[..., 1:].ne(IGNORE_INDEX).sum()) != count:
+            return None
+        before.append(int(labels.ne(IGNORE_INDEX).sum()))
+    return before if sum(before) != sum(counts) else None
 
 
 def _simplest(matches) -> list[tuple[str, ...]]:
@@ -654,7 +701,7 @@ class _Outcome:
 
 
 def _check_processes(step, make_model, micro_batches, loss_fn, num_processes, lr, tol, ref, known_params):
-    w0, grads, counts, reference = ref
+    w0, grads, counts, counts_before_shift, reference = ref
     ga = len(micro_batches) // num_processes
     shards = shard_batches([[k] for k in range(len(micro_batches))], num_processes, 1)
     shard_indices = [[mb[0] for mb in shard] for shard in shards]
@@ -705,7 +752,7 @@ def _check_processes(step, make_model, micro_batches, loss_fn, num_processes, lr
 
     matches = None
     if most_steps == 1:
-        candidates = _candidate_updates(grads, counts, shard_indices, ga, num_processes, lr)
+        candidates = _candidate_updates(grads, counts, shard_indices, ga, num_processes, lr, counts_before_shift)
         matches = [issues for issues, delta in candidates if float(np.max(np.abs(user_delta - delta))) <= tol]
 
     local = []
@@ -818,7 +865,9 @@ def check_accumulation(step, make_model, micro_batches, loss_fn, *, num_processe
     ``P x GA`` micro-batches, dealt to the P ranks as Accelerate does (rank r gets r, r+P, ...).
     ``loss_fn(model, batch)`` returns ``(summed_loss_tensor, number_of_targets)``; the
     reference is one SGD step (learning rate ``lr``) on the sum of every micro-batch's summed
-    loss divided by the window's total number of targets.
+    loss divided by the window's total number of targets. When each micro-batch is a mapping
+    whose integer ``"labels"`` ``loss_fn`` counts after a causal shift (``labels[..., 1:]``, as
+    a language model's loss does), a normaliser counted before the shift is diagnosed too.
 
     ``num_processes`` is one process count or a tuple of them; the check passes when, for
     each, every rank's weights equal the reference within ``tol`` (largest absolute
@@ -834,10 +883,11 @@ def check_accumulation(step, make_model, micro_batches, loss_fn, *, num_processe
     tol = check_float("tol", tol, minimum=0.0, exclusive_minimum=True, maximum=1.0)
 
     ref_model, w0, grads, counts, reference = _reference(make_model, micro_batches, loss_fn, lr, tol)
+    counts_before_shift = _counts_before_shift(micro_batches, counts)
     # Keyed by id, holding the parameters themselves: a freed model's id could be reused by a new one.
     known_params = {id(p): p for p in ref_model.parameters()}
-    outcomes = [_check_processes(step, make_model, micro_batches, loss_fn, p, lr, tol, (w0, grads, counts, reference),
-                                 known_params)
+    ref = (w0, grads, counts, counts_before_shift, reference)
+    outcomes = [_check_processes(step, make_model, micro_batches, loss_fn, p, lr, tol, ref, known_params)
                 for p in process_counts]
     details = {o.num_processes: o.check for o in outcomes}
     passed = all(d.passed for d in details.values())

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from gaccum_lib import seed_sequences, sequences_from_lengths, simulate
+from gaccum_lib import count_targets_before_shift, seed_sequences, sequences_from_lengths, simulate, tiny_lm
 from gaccum_lib.check import AccumulationCheckError, AccumulationReport, check_accumulation
 
 # The seed's variable-length toy: 16 items of lengths 1..16, micro-batches of 4 items, so the
@@ -20,6 +20,9 @@ LOSS = SEQ.loss_sum_and_count
 # Equal lengths: every micro-batch has 4 x 3 = 12 targets.
 EQUAL = sequences_from_lengths([3] * 16)
 EQUAL_BATCHES = [EQUAL.batch_of(ix) for ix in EQUAL.micro_batch_indices(4)]
+# A causal LM (its loss shifts the labels): 8 rows of 2, 390 targets after the shift, 398 labels before it.
+LM = tiny_lm(8, d_model=8)
+LM_BATCHES = [LM.batch_of(ix) for ix in LM.micro_batch_indices(2)]
 
 
 def check(step, problem=SEQ, batches=MICRO_BATCHES, **kwargs) -> AccumulationReport:
@@ -128,6 +131,33 @@ def zeroes_before_step(model, optimizer, micro_batches, loss_fn, ctx):
         (loss_sum * ctx.num_processes / total).backward()
     optimizer.zero_grad()
     optimizer.step()
+
+
+def lm_token_normalised(model, optimizer, micro_batches, loss_fn, ctx):
+    total = ctx.all_reduce_sum(sum(LM.count_targets(b) for b in micro_batches))  # after the shift
+    for batch in micro_batches:
+        loss_sum, _ = loss_fn(model, batch)
+        (loss_sum * ctx.num_processes / total).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def counted_before_shift(model, optimizer, micro_batches, loss_fn, ctx):
+    total = ctx.all_reduce_sum(sum(count_targets_before_shift(b) for b in micro_batches))  # one per row too many
+    for batch in micro_batches:
+        loss_sum, _ = loss_fn(model, batch)
+        (loss_sum * ctx.num_processes / total).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def counted_before_shift_not_gathered(model, optimizer, micro_batches, loss_fn, ctx):
+    total = sum(count_targets_before_shift(b) for b in micro_batches)
+    for batch in micro_batches:
+        loss_sum, _ = loss_fn(model, batch)
+        (loss_sum * ctx.num_processes / total).backward()
+    optimizer.step()
+    optimizer.zero_grad()
 
 
 def rank_dependent_edit(model, optimizer, micro_batches, loss_fn, ctx):
@@ -251,6 +281,51 @@ def test_mean_of_means_passes_on_equal_length_data_and_says_why():
     assert len(report.notes) == 1 and "same number of targets" in report.notes[0]
     # A real pitfall still fails there.
     assert check(divided_twice, EQUAL, EQUAL_BATCHES).labels == ("loss divided by GA twice",)
+
+
+def test_targets_counted_before_the_shift_gets_its_diagnosis():
+    after = sum(LM.count_targets(b) for b in LM_BATCHES)
+    before = sum(count_targets_before_shift(b) for b in LM_BATCHES)
+    assert (after, before) == (390, 398)  # one extra target per row
+    assert check(lm_token_normalised, LM, LM_BATCHES)  # the count after the shift passes
+    report = check(counted_before_shift, LM, LM_BATCHES)
+    assert not report
+    assert report.labels == ("targets counted before the shift",)
+    assert report.diagnosis[0].startswith("targets counted before the shift: the update is (targets after the shift) "
+                                          "/ (targets before the shift) of the reference; ")
+    for d in report.details.values():
+        assert not d.passed and d.matches == ("counted_before_shift",)
+        assert d.update_ratio == pytest.approx(390 / 398, abs=1e-6)
+    # Not gathered as well: wrong on 2 processes only by the local counts, both named.
+    both = check(counted_before_shift_not_gathered, LM, LM_BATCHES)
+    assert both.labels == ("token count not gathered across ranks", "targets counted before the shift")
+    assert both.details[2].matches == ("count_not_gathered+counted_before_shift",)
+
+
+def test_the_shift_diagnosis_needs_its_exact_update_and_a_shifting_loss():
+    def scaled(model, optimizer, micro_batches, loss_fn, ctx):  # close to 390 / 398 = 0.9799, not it
+        total = ctx.all_reduce_sum(sum(LM.count_targets(b) for b in micro_batches))
+        for batch in micro_batches:
+            loss_sum, _ = loss_fn(model, batch)
+            (0.97 * loss_sum * ctx.num_processes / total).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def one_extra_per_row(model, optimizer, micro_batches, loss_fn, ctx):
+        # The same miscount on the seed's token classifier, whose loss does not shift: nothing to name.
+        total = ctx.all_reduce_sum(sum(SEQ.count_targets(b) + len(b["labels"]) for b in micro_batches))
+        for batch in micro_batches:
+            loss_sum, _ = loss_fn(model, batch)
+            (loss_sum * ctx.num_processes / total).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    report = check(scaled, LM, LM_BATCHES)
+    assert report.labels == ("wrong update size",)
+    assert report.update_ratio[1] == pytest.approx(0.97, abs=1e-6)
+    seed = check(one_extra_per_row)
+    assert seed.labels == ("wrong update size",)
+    assert seed.update_ratio[1] == pytest.approx(136 / 152, abs=1e-5)  # 16 rows, 136 targets
 
 
 def test_stepping_on_every_micro_batch():
