@@ -165,6 +165,10 @@ def pad_and_stack(examples) -> dict:
 
 def count_target_tokens(labels: torch.Tensor) -> int:
     """Number of labels that contribute to the loss (everything but the -100 padding)."""
+    if not isinstance(labels, torch.Tensor):
+        # A common slip is passing the whole batch: say which part of it is wanted.
+        raise TypeError(f"labels must be a torch.Tensor of label ids (e.g. batch['labels']), "
+                        f"got {type(labels).__name__}")
     return int(labels.ne(IGNORE_INDEX).sum())
 
 

@@ -14,6 +14,9 @@ all see the assignment. ``tests/test_sharding.py`` checks them against Accelerat
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Iterable
+
 from ._checks import check_int
 
 
@@ -90,11 +93,20 @@ def plan_windows(
     check_int("micro_batch_size", micro_batch_size, minimum=1)
     check_int("grad_accum_steps", grad_accum_steps, minimum=1)
     check_int("num_processes", num_processes, minimum=1)
-    if isinstance(num_examples_or_batches, int):
+    accepted = "an int (a dataset length) or a list of batches (lists of example indices)"
+    if isinstance(num_examples_or_batches, numbers.Integral):  # numpy ints too; check_int refuses a bool
         n = check_int("num_examples", num_examples_or_batches, minimum=1)
         batches = [list(range(s, min(s + micro_batch_size, n))) for s in range(0, n, micro_batch_size)]
+    elif isinstance(num_examples_or_batches, str | bytes) or not isinstance(num_examples_or_batches, Iterable):
+        raise TypeError(f"num_examples_or_batches must be {accepted}, got {type(num_examples_or_batches).__name__} "
+                        f"({num_examples_or_batches!r})")
     else:
-        batches = [list(b) for b in num_examples_or_batches]
+        batches = list(num_examples_or_batches)
+        for i, batch in enumerate(batches):
+            if isinstance(batch, str | bytes) or not isinstance(batch, Iterable):
+                raise TypeError(f"num_examples_or_batches[{i}] must be a batch (a list of example indices), got "
+                                f"{type(batch).__name__} ({batch!r}); num_examples_or_batches must be {accepted}")
+        batches = [list(b) for b in batches]
     shards = shard_batches(batches, num_processes, micro_batch_size, even_batches=even_batches)
     per_rank = [split_windows(shard, grad_accum_steps) for shard in shards]
     counts = [len(w) for w in per_rank]

@@ -1,10 +1,14 @@
 """Bad input fails loudly, naming the argument and what would be accepted."""
 
+import numpy as np
 import pytest
 import torch
 
 from gaccum_lib import (
+    cmp,
+    count_target_tokens,
     launch,
+    max_diff,
     pad_and_stack,
     plain_backward_loss,
     plan_windows,
@@ -103,6 +107,65 @@ def test_make_problem_names_the_kinds():
 def test_plan_rejects_bad_sizes():
     with pytest.raises(ValueError, match=r"num_examples must be in \[1, inf\), got 0"):
         plan_windows(0, micro_batch_size=1, grad_accum_steps=1)
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    (8.0, r"num_examples_or_batches must be an int \(a dataset length\) or a list of batches \(lists of example "
+          r"indices\), got float \(8.0\)"),
+    ("8", r"num_examples_or_batches must be an int .*, got str \('8'\)"),
+    (None, r"num_examples_or_batches must be an int .*, got NoneType \(None\)"),
+    ([[0, 1], 2], r"num_examples_or_batches\[1\] must be a batch \(a list of example indices\), got int \(2\)"),
+])
+def test_plan_names_a_bad_dataset_argument(value, message):
+    with pytest.raises(TypeError, match=message):
+        plan_windows(value, micro_batch_size=2, grad_accum_steps=2)
+
+
+def test_plan_accepts_numpy_ints_and_batch_lists():
+    expected = plan_windows(8, micro_batch_size=2, grad_accum_steps=2)
+    assert expected == [[[[0, 1], [2, 3]]], [[[4, 5], [6, 7]]]]
+    assert plan_windows(np.int64(8), micro_batch_size=2, grad_accum_steps=2) == expected
+    assert plan_windows(((0, 1), (2, 3), (4, 5), (6, 7)), micro_batch_size=2, grad_accum_steps=2) == expected
+
+
+@pytest.mark.parametrize(("labels", "kind"), [({"labels": torch.tensor([1, -100])}, "dict"), ([1, -100], "list")])
+def test_count_target_tokens_wants_the_labels_tensor(labels, kind):
+    with pytest.raises(TypeError, match=rf"labels must be a torch.Tensor of label ids \(e.g. batch\['labels'\]\), "
+                                        rf"got {kind}$"):
+        count_target_tokens(labels)
+    assert count_target_tokens(torch.tensor([[1, -100], [0, 1]])) == 3
+
+
+@pytest.mark.parametrize(("tol", "error", "message"), [
+    ("1e-6", TypeError, r"tol must be a number, got str \('1e-6'\)"),
+    (None, TypeError, r"tol must be a number, got NoneType"),
+    (True, TypeError, r"tol must be a number, got bool"),
+    (-1e-6, ValueError, r"tol must be in \[0.0, inf\), got -1e-06"),
+    (float("nan"), ValueError, r"tol must be a finite number, got nan"),
+    (float("inf"), ValueError, r"tol must be a finite number, got inf"),
+])
+def test_cmp_rejects_a_bad_tol(tol, error, message):
+    with pytest.raises(error, match=message):
+        cmp("weights", [1.0], [1.0], tol=tol, quiet=True)
+
+
+def test_cmp_and_max_diff_refuse_empty_or_mismatched_inputs():
+    with pytest.raises(ValueError, match=r"got and expected must have the same shape, got \(2,\) and \(1,\)"):
+        cmp("weights", [1.0, 2.0], [1.0], quiet=True)
+    with pytest.raises(ValueError, match=r"got and expected are empty \(shape \(0,\)\); they need at least 1 value"):
+        cmp("weights", [], torch.zeros(0), quiet=True)
+    with pytest.raises(ValueError, match=r"a and b must have the same shape, got \(2, 1\) and \(2,\)"):
+        max_diff(np.zeros((2, 1)), np.zeros(2))
+    with pytest.raises(ValueError, match=r"a and b are empty \(shape \(0, 3\)\)"):
+        max_diff(np.zeros((0, 3)), np.zeros((0, 3)))
+    with pytest.raises(TypeError, match=r"expected must be a number, a tensor or an array of numbers, got str"):
+        cmp("weights", [1.0], "1.0", quiet=True)
+    with pytest.raises(TypeError, match="label must be a str, got NoneType"):
+        cmp(None, [1.0], [1.0], quiet=True)
+    # Valid input still compares: tol=0 asks for exact equality.
+    assert cmp("weights", torch.tensor([1.0, 2.0]), [1.0, 2.0], tol=0, quiet=True)
+    assert not cmp("weights", [1.0, 2.0], [1.0, 2.0 + 1e-9], tol=0, quiet=True)
+    assert max_diff([1.0, 2.0], [1.5, 2.0]) == 0.5
 
 
 def test_too_many_cpu_processes_says_the_limit():
