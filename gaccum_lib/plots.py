@@ -11,6 +11,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 import matplotlib
+import matplotlib.layout_engine
 import matplotlib.pyplot as plt
 import matplotlib.ticker
 import numpy as np
@@ -86,6 +87,10 @@ def _label_update_axes(ax, ylabel: str, title: str) -> None:
 def legend_below(figure, ax, ncol: int = 3) -> None:
     """One legend for the whole figure, under the panels, where it hides no data."""
     handles, labels = ax.get_legend_handles_labels()
+    if isinstance(figure.get_layout_engine(), matplotlib.layout_engine.ConstrainedLayoutEngine):
+        # Constrained layout makes room itself (and ignores subplots_adjust).
+        figure.legend(handles, labels, loc="outside lower center", ncol=ncol, frameon=False)
+        return
     figure.legend(handles, labels, loc="lower center", ncol=ncol, frameon=False)
     figure.subplots_adjust(bottom=0.26, wspace=0.3)
 
@@ -99,8 +104,9 @@ def plot_weight_trajectories(trajectories: dict, ax=None, *, component_names=Non
     first = next(iter(trajectories.values()))
     num_weights = first.weights.shape[1]
     names = component_names or ([f"w[{i}]" for i in range(num_weights)] if num_weights > 1 else ["w"])
-    axes = _axes(ax, ncols=num_weights, figsize=(5.2 * num_weights, 3.8))
-    axes = np.atleast_1d(axes)
+    axes = np.atleast_1d(_axes(ax, ncols=num_weights, figsize=(5.2 * num_weights, 3.8)))
+    if len(axes) != num_weights:
+        raise ValueError(f"ax must hold one axes per weight ({num_weights}), got {len(axes)}")
     for panel, (axis, name) in enumerate(zip(axes, names, strict=True)):
         for t, (style, label) in zip(trajectories.values(), _styles_and_labels(trajectories), strict=True):
             steps = np.arange(len(t.weights))

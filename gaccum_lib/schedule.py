@@ -77,15 +77,21 @@ def lr_per_update(sizing: str, num_batches: int, grad_accum_steps: int, num_proc
 
 
 def accelerate_lr_trace(num_batches: int, grad_accum_steps: int, total_steps: int, *, epochs: int = 1,
-                        peak_lr: float = 0.1, cpu: bool = True) -> list[float]:
+                        peak_lr: float = 0.1, cpu: bool = True, adjust_scheduler: bool = True) -> list[float]:
     """Run a real prepared optimizer + scheduler with ``accumulate()``; the lr of each real update.
 
-    Runs in the calling process (call it inside a launched function for several processes).
+    ``adjust_scheduler`` is Accelerate's ``GradientAccumulationPlugin`` option of that name
+    (its default, True). Runs in the calling process (call it inside a launched function for
+    several processes).
     """
     import torch
     from accelerate import Accelerator
+    from accelerate.utils import GradientAccumulationPlugin
 
-    accelerator = Accelerator(gradient_accumulation_steps=grad_accum_steps, cpu=cpu)
+    if not isinstance(adjust_scheduler, bool):
+        raise TypeError(f"adjust_scheduler must be a bool, got {type(adjust_scheduler).__name__}")
+    plugin = GradientAccumulationPlugin(num_steps=grad_accum_steps, adjust_scheduler=adjust_scheduler)
+    accelerator = Accelerator(gradient_accumulation_plugin=plugin, cpu=cpu)
     model = torch.nn.Linear(1, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=peak_lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / total_steps))

@@ -117,3 +117,27 @@ def test_widget_figures_use_the_suite_style_whatever_the_kernel_set(make):
     default = make(strict=True)
     assert shrunk.state.image_digest == default.state.image_digest
     assert_readable(shrunk.figure)
+
+
+def test_weight_trajectories_want_one_axes_per_weight(runs):
+    _, trajectories = runs
+    figure, (first, second, third) = plt.subplots(1, 3)
+    with pytest.raises(ValueError, match=r"ax must hold one axes per weight \(2\), got 1"):
+        plots.plot_weight_trajectories(trajectories, ax=first)
+    assert list(plots.plot_weight_trajectories(trajectories, ax=[second, third])) == [second, third]
+    plt.close(figure)
+
+
+def test_a_legend_below_the_panels_hides_no_label(runs):
+    problem, trajectories = runs
+    for layout in ("constrained", None):
+        figure, (path, *per_weight) = plt.subplots(1, 3, figsize=(15, 4.4), layout=layout)
+        plots.plot_weight_path(problem, trajectories, ax=path, legend=False)
+        plots.plot_weight_trajectories(trajectories, ax=per_weight, legend=False)
+        plots.legend_below(figure, path)
+        figure.canvas.draw()
+        renderer = figure.canvas.get_renderer()
+        legend_box = figure.legends[0].get_window_extent(renderer)
+        for ax in (path, *per_weight):
+            assert not legend_box.overlaps(ax.xaxis.label.get_window_extent(renderer)), (layout, ax.get_xlabel())
+        plt.close(figure)

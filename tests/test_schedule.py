@@ -39,3 +39,15 @@ def test_only_update_sizing_ends_the_decay_at_the_end_of_training():
         assert slow[-1] > 0.07  # GA times too long: most of the decay never happens
     early = lr_per_update("sharded_updates", 64, 4, 2, epochs=2)
     assert (early[len(early) // 2:] == 0).all()  # runs out halfway: the second half trains at lr 0
+
+
+def test_accelerates_adjust_scheduler_option_does_not_change_the_learning_rates():
+    # What lesson 02 says: the option only bumps the scheduler's step counter.
+    total = schedule_length("updates", 16, 4, 1)
+    adjusted = accelerate_lr_trace(16, 4, total, adjust_scheduler=True)
+    reset_accelerate_state(quiet=True)
+    not_adjusted = accelerate_lr_trace(16, 4, total, adjust_scheduler=False)
+    reset_accelerate_state(quiet=True)
+    assert adjusted == not_adjusted == lr_per_update("updates", 16, 4, 1).tolist()
+    with pytest.raises(TypeError, match="adjust_scheduler must be a bool, got str"):
+        accelerate_lr_trace(16, 4, total, adjust_scheduler="yes")
