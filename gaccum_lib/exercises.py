@@ -121,6 +121,52 @@ def _missing_zero_grad_label(answer) -> Feedback:
     return Feedback(False, "not quite: run the checker on your step and read report.labels")
 
 
+def _allreduce_cost_model() -> tuple[float, float, int]:
+    """(rest of the update, one all-reduce) in ms, and GA, from the saved all-reduce benchmark.
+
+    Without ``no_sync`` an update does GA all-reduces, with it one, and otherwise the same work:
+    ``without = rest + GA * one`` and ``with = rest + one``.
+    """
+    from .bench import load
+
+    allreduce = load()["allreduce"]
+    ga = allreduce["grad_accum_steps"]
+    with_no_sync, without = allreduce["ms_per_update"]["no_sync"], allreduce["ms_per_update"]["every_micro_batch"]
+    one_allreduce = (without - with_no_sync) / (ga - 1)
+    return with_no_sync - one_allreduce, one_allreduce, ga
+
+
+def _allreduce_ratio_directions(answer) -> Feedback:
+    if isinstance(answer, str) or len(answer) != 2:
+        raise ValueError("give two words, NVLink first, then 2 machines, e.g. ('larger', 'larger')")
+    words = [str(a).strip().lower() for a in answer]
+    if not set(words) <= {"larger", "smaller"}:
+        raise ValueError("each answer must be 'larger' or 'smaller'")
+    rest, one_allreduce, ga = _allreduce_cost_model()
+
+    def ratio(allreduce_ms):  # time per update without no_sync / with it
+        return (rest + ga * allreduce_ms) / (rest + allreduce_ms)
+
+    faster_link, slower_link = ratio(one_allreduce / 10), ratio(one_allreduce * 10)
+    expected = ["larger" if r > ratio(one_allreduce) else "smaller" for r in (faster_link, slower_link)]
+    if words == expected:
+        return Feedback(True, f"correct! with the saved times ({rest:.1f} ms of other work, {one_allreduce:.1f} ms "
+                              f"per all-reduce) the ratio {ratio(one_allreduce):.2f} becomes {faster_link:.2f} "
+                              f"with a 10x faster all-reduce and {slower_link:.2f} with a 10x slower one")
+    return Feedback(False, "not quite: the ratio is (other work + GA all-reduces) / (other work + 1 all-reduce); "
+                           "what happens to it when each all-reduce gets cheaper, or dearer?")
+
+
+def _allreduce_ms(answer) -> Feedback:
+    estimate = float(answer)
+    rest, one_allreduce, ga = _allreduce_cost_model()
+    if abs(estimate - one_allreduce) <= 0.02 * one_allreduce:
+        return Feedback(True, f"correct! (without - with no_sync) / (GA - 1) = {one_allreduce:.1f} ms per all-reduce; "
+                              f"the other {rest:.1f} ms of an update is the rest of the work")
+    return Feedback(False, f"not quite: the two times differ by GA - 1 = {ga - 1} all-reduces, and both include "
+                           "the same compute")
+
+
 CHECKS = {
     "00.2": _unscaled_factor,
     "01.1": _equal_split_exact,
@@ -129,6 +175,8 @@ CHECKS = {
     "03.2": _equal_targets_order,
     "04.1": _rank0_count_three_processes,
     "06.2": _missing_zero_grad_label,
+    "07.2": _allreduce_ratio_directions,
+    "07.3": _allreduce_ms,
 }
 
 

@@ -1,9 +1,16 @@
 import os
 
 import pytest
+from hypothesis import settings
 
 # Tiny models: one thread is faster and keeps parallel test workers from oversubscribing 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Property tests (test_properties.py) draw the same examples on every run: a failure can be
+# rerun as is, and a pass does not depend on which examples happened to be drawn. Each test
+# keeps its own max_examples and deadline; derandomize=True also turns off the example database.
+settings.register_profile("deterministic", derandomize=True)
+settings.load_profile("deterministic")
 
 
 def pytest_collection_modifyitems(config, items):

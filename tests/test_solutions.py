@@ -1,4 +1,7 @@
-"""Every exercise with a check cell has a tested solution, and its checker can say no."""
+"""Every exercise with a check cell has a tested solution and its checker can say no.
+
+The numbers solutions/README.md states are recomputed with the library, so the README cannot drift.
+"""
 
 import json
 import re
@@ -14,7 +17,8 @@ sys.path.insert(0, str(ROOT / "solutions"))
 from answers import ANSWERS  # noqa: E402
 
 WRONG = {"00.2": 2, "01.1": True, "01.2": 0.02, "02.1": [3, 6, 9], "03.2": [1, 2, 3, 4, 5, 6, 7, 8], "04.1": 52,
-         "05.1": 3738, "05.2": 2, "06.2": "no update"}
+         "05.1": 3738, "05.2": 2, "06.2": "no update",
+         "07.2": ("larger", "larger"), "07.3": 29.9}  # 07.3: the slower time / GA, other work included
 
 
 def _check_cells():
@@ -46,6 +50,8 @@ def test_a_wrong_answer_is_rejected_with_a_hint(exercise):
 def test_no_answer_and_nonsense_answers():
     assert check("03.2", None, quiet=True).message.startswith("no answer yet")
     assert check("04.1", "many", quiet=True).message.startswith("that answer cannot be checked")
+    assert check("07.2", "smaller", quiet=True).message.startswith("that answer cannot be checked")
+    assert check("07.2", ("smaller", "faster"), quiet=True).message.startswith("that answer cannot be checked")
     with pytest.raises(ValueError, match="exercise must be one of"):
         check("99.9", 1)
 
@@ -54,3 +60,174 @@ def test_the_solutions_readme_answers_every_exercise():
     text = (ROOT / "solutions" / "README.md").read_text()
     for path in sorted((ROOT / "notebooks").glob("0*.ipynb")):
         assert f"## {path.stem}" in text, f"solutions/README.md has no section for {path.name}"
+
+
+# ----------------------------------------------------------------------------------------------
+# The numbers solutions/README.md states, recomputed: the README cannot drift from the library.
+# ----------------------------------------------------------------------------------------------
+
+def _readme_section(lesson: str) -> str:
+    """The README's section for lesson "NN", whitespace collapsed (the prose wraps anywhere)."""
+    text = (ROOT / "solutions" / "README.md").read_text()
+    section = re.search(rf"^## {lesson}_.*?(?=^## |\Z)", text, re.M | re.S).group(0)
+    return " ".join(section.split())
+
+
+def _numbers_00():
+    from gaccum_lib import simulate, toy_regression
+
+    problem = toy_regression()
+    ga2 = simulate(problem, "mean_of_means", grad_accum_steps=2, micro_batch_size=4, lr=0.02).final_weights[0]
+    unscaled = simulate(problem, "sum_of_means", grad_accum_steps=4, micro_batch_size=2, lr=0.02).final_weights[0]
+    full = simulate(problem, "full_batch", grad_accum_steps=4, micro_batch_size=2, lr=0.02).final_weights[0]
+    factor = unscaled / full
+    assert factor == pytest.approx(ANSWERS["00.2"])
+    return [f"w = {ga2:.2f} again", f"**{factor:.0f}x** larger (w = {unscaled:.2f})", f"{factor:.0f} times"]
+
+
+def _numbers_01():
+    from gaccum_lib import simulate, toy_regression
+
+    problem = toy_regression()
+    runs = {s: simulate(problem, s, grad_accum_steps=3, micro_batch_size=3, lr=0.02).final_weights[0]
+            for s in ("mean_of_means", "full_batch")}
+    ga, last_size = 3, len(problem.micro_batch_indices(3)[-1])
+    unscaled_lr = ANSWERS["01.2"]
+    assert simulate(problem, "sum_of_means", grad_accum_steps=4, micro_batch_size=2,
+                    lr=unscaled_lr).final_weights[0] == pytest.approx(runs["full_batch"])
+    return [f"`my_exact = {ANSWERS['01.1']}`", f"by 1/{ga}", f"the {last_size} points",
+            f"1/{ga * last_size} each instead of 1/{len(problem)}",
+            f"w = {runs['mean_of_means']:.4f} against the full batch's {runs['full_batch']:.4f}",
+            f"**`lr = {unscaled_lr}`** (0.02 / {round(0.02 / unscaled_lr)})"]
+
+
+def _numbers_02():
+    import math
+
+    from gaccum_lib import schedule, toy_regression
+    from gaccum_lib.sharding import split_windows
+
+    sync_points = ANSWERS["02.1"]
+    last_window = split_windows(toy_regression(num_points=20).micro_batch_indices(2), 4)[-1]
+    steps = schedule.scheduler_steps_per_update(1000, 8, 4)
+    per_rank = math.ceil(1000 / 4)
+    decay = schedule.schedule_length("micro_batches", 1000, 8, 4)
+    return [f"`{sync_points}`", ", ".join(map(str, sync_points[:-1])) + f" and {sync_points[-1]}",
+            f"(here 4 / {len(last_window)} = {4 // len(last_window)})",
+            f"each rank gets {per_rank} batches", f"`ceil({per_rank} / 8) = {len(steps)}` optimizer updates",
+            f"{steps[-1]} scheduler steps, {100 * steps[-1] / decay:.1f} % of the {decay}-step decay",
+            f"`ceil(1000 / 8) = {schedule.schedule_length('updates', 1000, 8, 4)}` steps",
+            f"scheduler_steps_per_update(1000, 8, 4)[-1] == {steps[-1]}"]
+
+
+def _numbers_03():
+    import numpy as np
+
+    from gaccum_lib import count_target_tokens, seed_sequences, simulate
+
+    problem = seed_sequences(8)
+
+    def targets(size):
+        return [count_target_tokens(problem.batch_of(ix)["labels"]) for ix in problem.micro_batch_indices(size)]
+
+    def naive_error(ga):
+        kwargs = dict(grad_accum_steps=ga, micro_batch_size=8 // ga, lr=0.08)
+        naive, full = (simulate(problem, s, **kwargs).final_weights for s in ("mean_of_means", "full_batch"))
+        return float(np.abs(naive - full).max())
+
+    pairs, halves = targets(2), targets(4)
+    fold = {5: "five"}[max(pairs) / min(pairs)]
+    order = ANSWERS["03.2"]
+    per_pair = {a + b for a, b in zip(order[0::2], order[1::2], strict=True)}
+    assert len(per_pair) == 1
+    return [", ".join(map(str, pairs[:-1])) + f" and {pairs[-1]} targets",
+            f"a {fold}-fold spread ({max(pairs)} / {min(pairs)})",
+            f"{max(halves) / min(halves):.1f}-fold ({max(halves)} / {min(halves)})",
+            f"{naive_error(4):.4f} against {naive_error(2):.4f} for GA = 2",
+            f"`{order}`", f"each hold {per_pair.pop()} targets"]
+
+
+def _numbers_04():
+    from gaccum_lib import seed_sequences, simulate
+
+    problem = seed_sequences(24)
+    counts = simulate(problem, "token_normalised", grad_accum_steps=2, micro_batch_size=4,
+                      num_processes=3).token_counts[0]
+    assert counts[0] == ANSWERS["04.1"]
+
+    def items(first, last):
+        lengths = problem.lengths[first:last + 1]
+        return f"({' + '.join(map(str, lengths))} = {sum(lengths)})"
+
+    return [f"**Rank 0 counts {counts[0]} targets**", f"items 0-3 {items(0, 3)} and 12-15 {items(12, 15)}",
+            f"local counts are {counts.tolist()}, {counts.sum()} in total"]
+
+
+def _numbers_05():
+    import numpy as np
+
+    from gaccum_lib import simulate
+    from gaccum_lib.lm import count_targets_before_shift, tiny_lm
+
+    problem = tiny_lm(64)
+    before = count_targets_before_shift(problem.batch_of(range(len(problem))))
+    assert problem.num_targets == ANSWERS["05.1"]
+    kwargs = dict(grad_accum_steps=2, micro_batch_size=4, num_processes=2, lr=0.5)
+    steps = [simulate(tiny_lm(32), s, **kwargs).weights[:2] for s in ("token_no_world_scale", "token_normalised")]
+    factor = float(np.linalg.norm(np.diff(steps[0], axis=0)) / np.linalg.norm(np.diff(steps[1], axis=0)))
+    assert factor == pytest.approx(ANSWERS["05.2"])
+    return [f"**{problem.num_targets} targets**: the {len(problem)} rows hold {before} characters",
+            f"{before} is the count before the shift", f"**{round(factor, 6):g}**",
+            f"averages the {kwargs['num_processes']} ranks' gradients"]
+
+
+def _numbers_06():
+    from gaccum_lib import fmt_weights, seed_sequences, simulate
+
+    problem = seed_sequences(16)
+    lonely = simulate(problem, "mean_of_means", grad_accum_steps=2, micro_batch_size=4)
+    updates = {2: "two"}[lonely.num_updates]
+    return [ANSWERS["06.2"], f"each see all {len(problem)} items",
+            f"{len(problem.micro_batch_indices(4))} micro-batches of 4, GA = 2, {updates} updates",
+            f"Both end at {fmt_weights(lonely.final_weights)}"]
+
+
+def _numbers_07():
+    from gaccum_lib import bench
+
+    allreduce = bench.load()["allreduce"]
+    ga = allreduce["grad_accum_steps"]
+    with_no_sync, without = allreduce["ms_per_update"]["no_sync"], allreduce["ms_per_update"]["every_micro_batch"]
+    one = (without - with_no_sync) / (ga - 1)
+    rest = with_no_sync - one
+
+    def ratio(allreduce_ms):
+        return (rest + ga * allreduce_ms) / (rest + allreduce_ms)
+
+    assert ratio(one) == pytest.approx(allreduce["every_micro_batch_over_no_sync"])
+    assert ANSWERS["07.3"] == pytest.approx(one, rel=0.02)
+    nvlink, two_machines = ANSWERS["07.2"]
+    return [f'`my_directions = ("{nvlink}", "{two_machines}")`',
+            f"({rest:.1f} ms of other work, {one:.1f} ms per all-reduce, GA = {ga})",
+            f"the measured {ratio(one):.2f} becomes {ratio(one / 10):.2f} if every all-reduce is 10 times faster",
+            f"and {ratio(one * 10):.2f} if it is 10 times slower",
+            f"**About {one:.1f} ms per all-reduce** (`my_allreduce_ms = {ANSWERS['07.3']}`)",
+            f"{without:.1f} ms without `no_sync` and {with_no_sync:.1f} ms with it",
+            f"differ by GA - 1 = {ga - 1} all-reduces", f"({without:.1f} - {with_no_sync:.1f}) / {ga - 1} ms",
+            f"Dividing {without:.1f} ms by {ga} ({without / ga:.1f} ms)"]
+
+
+README_NUMBERS = {"00": _numbers_00, "01": _numbers_01, "02": _numbers_02, "03": _numbers_03, "04": _numbers_04,
+                  "05": _numbers_05, "06": _numbers_06, "07": _numbers_07}
+
+
+def test_the_readme_numbers_cover_every_lesson():
+    lessons = {path.name[:2] for path in (ROOT / "notebooks").glob("0*.ipynb")}
+    assert lessons == set(README_NUMBERS)
+
+
+@pytest.mark.parametrize("lesson", sorted(README_NUMBERS))
+def test_the_solutions_readme_states_the_recomputed_numbers(lesson):
+    section = _readme_section(lesson)
+    missing = [text for text in README_NUMBERS[lesson]() if text not in section]
+    assert missing == [], f"solutions/README.md, section {lesson}: these recomputed statements are not in it"
