@@ -26,8 +26,8 @@ EXPECTED_FIGURES = {
                                       "token-normalised (36 items): [0.0953, 0.4337]"],
     "04_many_processes.ipynb": ["rank 0: micro-batches of lengths [[1, 2, 3, 4], [9, 10, 11, 12]] -> 52 target tokens",
                                 "targets in the whole update: 136",
-                                "52 of 136 targets, final weights [0.2117, 0.3172]",
-                                "84 of 136 targets, final weights [0.2117, 0.3172]"],
+                                "rank 0: local targets 52 of 136, weights [0.2117, 0.3172]",
+                                "rank 1: local targets 84 of 136, weights [0.2117, 0.3172]"],
     "05_capstone_language_model.ipynb": [
         "labels that are not padding: 149; targets after the shift: 146",
         "whole corpus: 3738 targets counted before the shift, 3674 after (64 rows, one fewer each)",
