@@ -2,7 +2,7 @@
 
 :func:`accelerate_train` is the training function a launched process runs (it also runs
 as a plain script under ``torchrun`` / ``accelerate launch``, see
-``scripts/train_accumulation.py``). :func:`real_run` launches it in N processes and
+``examples/train_accumulation.py``). :func:`real_run` launches it in N processes and
 returns a :class:`~gaccum_lib.simulate.Trajectory` built from every rank's record, so it
 can be compared number for number with :func:`~gaccum_lib.simulate.simulate`.
 
@@ -67,9 +67,17 @@ def _sync_context(sync_mode, accelerator, model, is_last):
     return contextlib.nullcontext() if is_last else model.no_sync()
 
 
-def _count_allreduce_rounds(model, counter: dict) -> None:
-    """Register a DDP comm hook that all-reduces as usual and counts how often it runs."""
+def count_allreduce_rounds(model) -> dict:
+    """Count the gradient all-reduce rounds of a DDP ``model``: returns a counter that the training updates.
+
+    A DDP communication hook that all-reduces as usual and counts. For a model that is not wrapped
+    in DDP (one process) nothing is ever all-reduced and the counter stays at 0.
+    """
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    counter = {"rounds": 0, "buckets": 0}
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return counter
 
     def counting_hook(process_group, bucket):
         counter["buckets"] += 1
@@ -78,6 +86,7 @@ def _count_allreduce_rounds(model, counter: dict) -> None:
         return allreduce_hook(process_group, bucket)
 
     model.register_comm_hook(None, counting_hook)
+    return counter
 
 
 def accelerate_train(
@@ -118,9 +127,7 @@ def accelerate_train(
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     loader = torch.utils.data.DataLoader(problem, batch_size=micro_batch_size, collate_fn=problem.collate)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    counter = {"rounds": 0, "buckets": 0}
-    if world > 1:
-        _count_allreduce_rounds(model, counter)
+    counter = count_allreduce_rounds(model)
 
     weights = [flat_weights(accelerator.unwrap_model(model))]
     local_counts, window_counts, losses, rounds_per_update = [], [], [], []
@@ -172,17 +179,24 @@ def accelerate_train(
 
 
 def trajectory_from_ranks(records: list[dict], *, strategy, grad_accum_steps, micro_batch_size, lr) -> Trajectory:
-    """Combine the per-rank records of :func:`accelerate_train` into one :class:`Trajectory`."""
+    """Combine the per-rank records of a training function into one :class:`Trajectory`.
+
+    A record is a dict with ``rank``, ``num_processes``, ``distributed_type``, ``weights`` (the
+    flat weights before the first update and after each one), ``losses`` and ``local_counts``
+    (one per update) and, optionally, ``allreduce_rounds_per_update``: what
+    :func:`accelerate_train` returns, and what lesson 05's ``train_causal_lm`` saves.
+    """
     records = sorted(records, key=lambda r: r["rank"])
     first = records[0]
+    rounds = [r.get("allreduce_rounds_per_update", []) for r in records]
     return Trajectory(
         strategy=strategy, grad_accum_steps=grad_accum_steps, num_processes=first["num_processes"],
-        micro_batch_size=micro_batch_size, lr=float(lr), weights=first["weights"], losses=first["losses"],
-        token_counts=np.stack([r["local_counts"] for r in records], axis=1),
-        rank_final_weights=np.stack([r["weights"][-1] for r in records]),
+        micro_batch_size=micro_batch_size, lr=float(lr), weights=np.asarray(first["weights"]),
+        losses=np.asarray(first["losses"]),
+        token_counts=np.stack([np.asarray(r["local_counts"]) for r in records], axis=1),
+        rank_final_weights=np.stack([np.asarray(r["weights"][-1]) for r in records]),
         source=f"accelerate ({first['distributed_type']}, {len(records)} process(es))",
-        extras={"ranks": records,
-                "allreduce_rounds_per_update": np.stack([r["allreduce_rounds_per_update"] for r in records])},
+        extras={"ranks": records, "allreduce_rounds_per_update": np.stack([np.asarray(r) for r in rounds])},
     )
 
 

@@ -167,6 +167,58 @@ def _allreduce_ms(answer) -> Feedback:
                            "the same compute")
 
 
+def _targets_of_64_lines(answer) -> Feedback:
+    from .lm import tiny_lm
+
+    problem = tiny_lm(64)
+    right = problem.num_targets
+    if int(answer) == right:
+        return Feedback(True, f"correct! {sum(problem.lengths)} characters in 64 rows, one fewer target per row: "
+                              f"{right}")
+    if int(answer) == right + len(problem):
+        return Feedback(False, "not quite: that counts the labels before the shift, one target too many per row")
+    return Feedback(False, "not quite: a row of L characters (its newline included) gives L - 1 targets; "
+                           "add them up over tiny_lm(64).lengths")
+
+
+def _missing_world_scale_factor(answer) -> Feedback:
+    from .lm import tiny_lm
+    from .simulate import simulate
+
+    kwargs = dict(grad_accum_steps=2, micro_batch_size=4, num_processes=2, lr=0.5)
+    problem = tiny_lm(32)
+    steps = [simulate(problem, s, **kwargs).weights[:2] for s in ("token_no_world_scale", "token_normalised")]
+    actual = float(np.linalg.norm(steps[0][1] - steps[0][0]) / np.linalg.norm(steps[1][1] - steps[1][0]))
+    if abs(float(answer) - actual) < 1e-6:
+        return Feedback(True, f"correct! {actual:.3f}: DDP averages the 2 ranks' gradients, so without x 2 "
+                              "each step is half the full-batch step")
+    return Feedback(False, f"not quite: the step is {actual:.3f}x the right one; which operation of DDP "
+                           "divides by the number of processes?")
+
+
+def _lm_accumulation_step(answer) -> Feedback:
+    """The learner's own accumulation step for the capstone LM, judged against the full batch."""
+    from .check import check_accumulation
+    from .lm import tiny_lm
+
+    if not callable(answer):
+        raise TypeError("give your function itself, my_accumulation_step(model, optimizer, micro_batches, loss_fn, "
+                        f"ctx), not a {type(answer).__name__}")
+    problem = tiny_lm(16)
+    micro_batches = [problem.batch_of(ix) for ix in problem.micro_batch_indices(2)]  # 8 micro-batches of 2 rows
+    report = check_accumulation(answer, problem.make_model, micro_batches, problem.loss_sum_and_count)
+    if report:
+        return Feedback(True, "correct! your step equals the full batch on 1 and 2 (simulated) processes, two windows "
+                              "in a row: it is ready for train_causal_lm's loop")
+    hints = {"mean of micro-batch means": "divide each micro-batch's summed loss by the window's count, not its own",
+             "targets counted before the shift": "count labels[:, 1:], the targets after the shift",
+             "token count not gathered across ranks": "ctx.all_reduce_sum(local count) is the whole update's N",
+             "missing x num_processes": "DDP averages over the processes: multiply by ctx.num_processes",
+             "loss divided by GA twice": "ctx.backward already divides by GA: multiply by ctx.grad_accum_steps"}
+    hint = next((h for label, h in hints.items() if label in report.labels), "compare with train_causal_lm's loop")
+    return Feedback(False, f"not quite: {report}\nhint: {hint}")
+
+
 CHECKS = {
     "00.2": _unscaled_factor,
     "01.1": _equal_split_exact,
@@ -174,6 +226,9 @@ CHECKS = {
     "02.1": _sync_points,
     "03.2": _equal_targets_order,
     "04.1": _rank0_count_three_processes,
+    "05.1": _targets_of_64_lines,
+    "05.2": _missing_world_scale_factor,
+    "05.3": _lm_accumulation_step,
     "06.2": _missing_zero_grad_label,
     "07.2": _allreduce_ratio_directions,
     "07.3": _allreduce_ms,

@@ -37,8 +37,6 @@ from torch import nn
 
 from ._checks import check_choice, check_int
 from .data import IGNORE_INDEX, Problem, _seeded_init, register_problem
-from .exercises import Feedback
-from .exercises import register as register_exercise
 
 CORPUS = "tide_clock.txt"
 PAD = "\x00"  # id 0; never a target (its labels are -100) and, with causal attention, never attended to
@@ -395,41 +393,6 @@ def plot_lengths(problems: dict, ax=None):
     ax.set_title("how many targets each row carries")
     ax.legend(loc="best")
     return ax
-
-
-# ----------------------------------------------------------------------------------------------
-# Checkers for the capstone's exercises (``gaccum_lib.exercises.check("05.1", answer)``).
-# ----------------------------------------------------------------------------------------------
-
-
-def _targets_of_64_lines(answer) -> Feedback:
-    problem = tiny_lm(64)
-    right = problem.num_targets
-    if int(answer) == right:
-        return Feedback(True, f"correct! {sum(problem.lengths)} characters in 64 rows, one fewer target per row: "
-                              f"{right}")
-    if int(answer) == right + len(problem):
-        return Feedback(False, "not quite: that counts the labels before the shift, one target too many per row")
-    return Feedback(False, "not quite: a row of L characters (its newline included) gives L - 1 targets; "
-                           "add them up over tiny_lm(64).lengths")
-
-
-def _missing_world_scale_factor(answer) -> Feedback:
-    from .simulate import simulate
-
-    kwargs = dict(grad_accum_steps=2, micro_batch_size=4, num_processes=2, lr=0.5)
-    problem = tiny_lm(32)
-    steps = [simulate(problem, s, **kwargs).weights[:2] for s in ("token_no_world_scale", "token_normalised")]
-    actual = float(np.linalg.norm(steps[0][1] - steps[0][0]) / np.linalg.norm(steps[1][1] - steps[1][0]))
-    if abs(float(answer) - actual) < 1e-6:
-        return Feedback(True, f"correct! {actual:.3f}: DDP averages the 2 ranks' gradients, so without x 2 "
-                              "each step is half the full-batch step")
-    return Feedback(False, f"not quite: the step is {actual:.3f}x the right one; which operation of DDP "
-                           "divides by the number of processes?")
-
-
-register_exercise("05.1", _targets_of_64_lines)
-register_exercise("05.2", _missing_world_scale_factor)
 
 
 __all__ = [

@@ -4,6 +4,19 @@ Keys are "<lesson>.<exercise>" as in the notebooks' `check("03.2", my_order)` ce
 The reasoning behind each answer, and the answers to the discussion exercises, are in README.md here.
 """
 
+
+
+def my_accumulation_step(model, optimizer, micro_batches, loss_fn, ctx):
+    """05.3: one update over this rank's micro-batches, as in train_causal_lm (ctx stands in for the Accelerator)."""
+    local = sum(int(batch["labels"][:, 1:].ne(-100).sum()) for batch in micro_batches)  # after the shift
+    total = ctx.all_reduce_sum(local)  # accelerator.gather(...).sum(): the whole update's N, before any backward
+    for batch in micro_batches:
+        loss_sum, _ = loss_fn(model, batch)
+        ctx.backward(loss_sum * ctx.grad_accum_steps * ctx.num_processes / total)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 ANSWERS = {
     "00.2": 4,                          # GA: the gradients of 4 micro-batch means add up
     "01.1": False,                      # sizes 3, 3, 2: the 2-point mean weighs as much as a 3-point one
@@ -13,6 +26,7 @@ ANSWERS = {
     "04.1": 68,                         # items 0-3 (1+2+3+4) and 12-15 (13+14+15+16)
     "05.1": 3674,                       # 3738 characters in 64 rows, one target fewer per row
     "05.2": 0.5,                        # DDP averages the 2 ranks' gradients: without x 2 the step halves
+    "05.3": my_accumulation_step,       # summed loss x GA x processes / N, N after the shift and gathered
     "06.2": "state carried over between windows",  # a missing zero_grad shows in the second window
     "07.2": ("smaller", "larger"),      # cheaper all-reduces shrink the ratio, dearer ones grow it
     "07.3": 25.9,                       # (250.6 - 69.1) ms / (GA - 1 = 7), from benchmarks/results.json

@@ -16,8 +16,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "solutions"))
 from answers import ANSWERS  # noqa: E402
 
+
+def _naive_accumulation_step(model, optimizer, micro_batches, loss_fn, ctx):
+    for batch in micro_batches:
+        loss_sum, num_targets = loss_fn(model, batch)
+        ctx.backward(loss_sum / num_targets)  # each micro-batch's own mean
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 WRONG = {"00.2": 2, "01.1": True, "01.2": 0.02, "02.1": [3, 6, 9], "03.2": [1, 2, 3, 4, 5, 6, 7, 8], "04.1": 52,
-         "05.1": 3738, "05.2": 2, "06.2": "no update",
+         "05.1": 3738, "05.2": 2, "05.3": _naive_accumulation_step, "06.2": "no update",
          "07.2": ("larger", "larger"), "07.3": 29.9}  # 07.3: the slower time / GA, other work included
 
 
@@ -52,6 +61,7 @@ def test_no_answer_and_nonsense_answers():
     assert check("04.1", "many", quiet=True).message.startswith("that answer cannot be checked")
     assert check("07.2", "smaller", quiet=True).message.startswith("that answer cannot be checked")
     assert check("07.2", ("smaller", "faster"), quiet=True).message.startswith("that answer cannot be checked")
+    assert check("05.3", 3, quiet=True).message.startswith("that answer cannot be checked: give your function")
     with pytest.raises(ValueError, match="exercise must be one of"):
         check("99.9", 1)
 
@@ -231,3 +241,9 @@ def test_the_solutions_readme_states_the_recomputed_numbers(lesson):
     section = _readme_section(lesson)
     missing = [text for text in README_NUMBERS[lesson]() if text not in section]
     assert missing == [], f"solutions/README.md, section {lesson}: these recomputed statements are not in it"
+
+
+def test_the_lm_step_checker_names_the_bug_and_a_hint():
+    feedback = check("05.3", _naive_accumulation_step, quiet=True)
+    assert "mean of micro-batch means" in feedback.message
+    assert "hint: divide each micro-batch's summed loss by the window's count" in feedback.message
