@@ -219,6 +219,18 @@ def _lm_accumulation_step(answer) -> Feedback:
     return Feedback(False, f"not quite: {report}\nhint: {hint}")
 
 
+def _scheduler_steps_three_processes(answer) -> Feedback:
+    from .schedule import schedule_length
+
+    right = schedule_length("updates", 1000, 8, 3, epochs=2)
+    if int(answer) == right:
+        return Feedback(True, f"correct! 2 x 3 x ceil(ceil(1000 / 3) / 8) = 2 x 3 x 42 = {right}")
+    if int(answer) == schedule_length("usual_rule", 1000, 8, 3, epochs=2):
+        return Feedback(False, "not quite: that is the usual ceil(L / GA) rule; each rank gets ceil(1000 / 3) "
+                               "batches and makes ceil(that / 8) updates, and each update steps 3 times")
+    return Feedback(False, "not quite: N x ceil(ceil(L / N) / GA) per epoch, with L = 1000, GA = 8, N = 3")
+
+
 CHECKS = {
     "00.2": _unscaled_factor,
     "01.1": _equal_split_exact,
@@ -232,6 +244,7 @@ CHECKS = {
     "06.2": _missing_zero_grad_label,
     "07.2": _allreduce_ratio_directions,
     "07.3": _allreduce_ms,
+    "09.1": _scheduler_steps_three_processes,
 }
 
 

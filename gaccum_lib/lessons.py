@@ -24,7 +24,8 @@ LESSONS = (
            "Memory measured; the plain loop; / GA vs forgetting it (2.04 vs 8.16); equal to the full batch.",
            "about 7 s"),
     Lesson("02_accelerate_does_it.ipynb", "Accelerate does it for you",
-           "prepare, accumulate(), backward divides by GA, sync_gradients, the short last window, the scheduler.",
+           "Accelerator, prepare, accumulate(), backward divides by GA, sync_gradients, the short last window, "
+           "clipping.",
            "about 8 s"),
     Lesson("03_variable_length_trap.ipynb", "The variable-length trap",
            "Naive mean of means vs token normalisation: [0.0775, 0.4514] vs [0.0953, 0.4337]; error grows with GA.",
@@ -41,6 +42,10 @@ LESSONS = (
     Lesson("07_benchmarks.ipynb", "What it costs and saves, measured",
            "Saved make-bench results: token normalisation's cost, no_sync's saving, flat memory, speeds.",
            "about 5 s"),
+    Lesson("09_schedulers_across_processes.ipynb", "Schedulers across processes",
+           "A prepared scheduler steps N times per update, measured; N x ceil(ceil(L/N)/GA) steps an epoch "
+           "(128, not 125); sizing total_steps; split_batches; sync_each_batch; adjust_scheduler read as False.",
+           "about 12 s"),
 )
 
 

@@ -6,10 +6,12 @@ wrapped scheduler ``num_processes`` times (unless ``split_batches=True``): each 
 only 1/num_processes of the batches, so a schedule sized for the whole dataloader on one
 process is consumed at the right pace.
 
-Hence the rule: size the schedule in optimizer updates of the *unsharded* dataloader,
-``ceil(len(dataloader) / grad_accum_steps)`` per epoch. Sizing it in micro-batches makes it
-decay ``grad_accum_steps`` times too slowly; sizing it from the sharded dataloader's length
-makes it run out ``num_processes`` times too early.
+Hence the rule: size the schedule in the scheduler steps Accelerate will take,
+``N * ceil(ceil(len(dataloader) / N) / grad_accum_steps)`` per epoch for ``N`` processes and the
+unsharded dataloader's length. The usual rule, ``ceil(len(dataloader) / grad_accum_steps)``, is
+the same on one process and a few steps short on several (1000 batches, GA 8, 4 processes: 125
+instead of 128). Sizing it in micro-batches makes it decay ``grad_accum_steps`` times too
+slowly; sizing it from the sharded dataloader's length makes it run out ``N`` times too early.
 
 :func:`scheduler_steps_per_update` reproduces that counting; ``tests/test_schedule.py``
 checks it against real Accelerate in 1 and 2 processes.
@@ -24,7 +26,8 @@ import numpy as np
 from ._checks import check_choice, check_float, check_int
 
 SIZINGS = {
-    "updates": "ceil(len(dataloader) / GA) per epoch (right)",
+    "updates": "N x ceil(ceil(len(dataloader) / N) / GA) per epoch: the steps Accelerate takes (right)",
+    "usual_rule": "ceil(len(dataloader) / GA) per epoch: right on 1 process, a few steps short on several",
     "micro_batches": "len(dataloader) per epoch: GA times too long",
     "sharded_updates": "len(sharded dataloader) / GA per epoch: runs out num_processes times too early",
 }
@@ -56,6 +59,8 @@ def schedule_length(sizing: str, num_batches: int, grad_accum_steps: int, num_pr
     if sizing == "micro_batches":
         return num_batches * epochs
     if sizing == "updates":
+        return int(scheduler_steps_per_update(num_batches, grad_accum_steps, num_processes, epochs)[-1])
+    if sizing == "usual_rule":
         return math.ceil(num_batches / grad_accum_steps) * epochs
     return math.ceil(math.ceil(num_batches / num_processes) / grad_accum_steps) * epochs
 
@@ -107,4 +112,45 @@ def accelerate_lr_trace(num_batches: int, grad_accum_steps: int, total_steps: in
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
+    return used
+
+
+def one_cycle_lrs(num_batches: int, grad_accum_steps: int, *, honour_adjust_scheduler: bool) -> list[float]:
+    """Learning rate of each update of a OneCycle schedule sized in updates, one process, ``accumulate()``.
+
+    ``honour_adjust_scheduler=True`` sets the flag Accelerate 1.16 drops
+    (``GradientAccumulationPlugin(adjust_scheduler=True)`` is read as False) directly in the
+    gradient state, to show what the option would do. Leaves no Accelerator behind.
+    """
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import GradientAccumulationPlugin
+
+    from .launch import reset_accelerate_state
+
+    check_int("num_batches", num_batches, minimum=1)
+    check_int("grad_accum_steps", grad_accum_steps, minimum=1)
+    if not isinstance(honour_adjust_scheduler, bool):
+        raise TypeError(f"honour_adjust_scheduler must be a bool, got {type(honour_adjust_scheduler).__name__}")
+    reset_accelerate_state(quiet=True)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_plugin=GradientAccumulationPlugin(
+        num_steps=grad_accum_steps, adjust_scheduler=True))
+    if honour_adjust_scheduler:
+        accelerator.gradient_state.plugin_kwargs["adjust_scheduler"] = True
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1,
+                                                    total_steps=math.ceil(num_batches / grad_accum_steps))
+    loader = torch.utils.data.DataLoader(torch.ones(num_batches, 1), batch_size=1)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    used = []
+    for batch in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(batch).sum())
+            if accelerator.sync_gradients:
+                used.append(scheduler.get_last_lr()[0])  # the lr this update is about to use
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+    reset_accelerate_state(quiet=True)
     return used

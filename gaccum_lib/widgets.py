@@ -308,16 +308,16 @@ def launch_explorer(*, strict: bool = False) -> Explorer:
 
 
 def schedule_explorer(*, strict: bool = False, num_batches: int = 96, peak_lr: float = 0.1) -> Explorer:
-    """Lesson 02: the learning rate of each update with a linear decay sized three ways."""
+    """Lesson 09: the learning rate of each update with a linear decay sized three ways."""
     from . import schedule
 
     def compute(grad_accum_steps, num_processes, epochs):
         return {sizing: schedule.lr_per_update(sizing, num_batches, grad_accum_steps, num_processes, epochs, peak_lr)
-                for sizing in schedule.SIZINGS}
+                for sizing in ("updates", "micro_batches", "sharded_updates")}
 
     def draw(result, figure):
         ax = figure.subplots()
-        labels = {"updates": "sized in updates: len(loader) / GA (right)",
+        labels = {"updates": "sized in the steps Accelerate takes (right)",
                   "micro_batches": "sized in micro-batches: len(loader)",
                   "sharded_updates": "sized from the sharded loader"}
         styles = {"updates": "token_normalised", "micro_batches": "mean_of_means",

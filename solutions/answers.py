@@ -30,4 +30,5 @@ ANSWERS = {
     "06.2": "state carried over between windows",  # a missing zero_grad shows in the second window
     "07.2": ("smaller", "larger"),      # cheaper all-reduces shrink the ratio, dearer ones grow it
     "07.3": 25.9,                       # (250.6 - 69.1) ms / (GA - 1 = 7), from benchmarks/results.json
+    "09.1": 252,                        # 2 epochs x 3 processes x ceil(ceil(1000 / 3) / 8) = 2 x 3 x 42
 }

@@ -21,6 +21,12 @@ EXPECTED_FIGURES = {
     "02_accelerate_does_it.ipynb": ["w/ accumulation, final weight: 2.04000",
                                     "w/o accumulation, final weight: 2.04000",
                                     "updates after micro-batches: [4, 8, 10]"],
+    "09_schedulers_across_processes.ipynb": [
+        "2 processes  12 batches per rank, scheduler steps after each update: [2, 4, 6]",
+        "250 batches per rank, 32 updates, 128 scheduler steps in the epoch (formula: 128; usual rule: 125)",
+        "split_batches: 24 batches per rank, scheduler steps [1, 2, 3, 4, 5, 6]",
+        "all-reduces after each update: default [1, 2, 3], sync_each_batch [4, 8, 12]",
+        "plugin.adjust_scheduler = True, what the scheduler reads = False"],
     "03_variable_length_trap.ipynb": ["initial weights: [-0.0075, 0.5364]", "full batch:       [0.0953, 0.4337]",
                                       "naive (mean of means): [0.0775, 0.4514]",
                                       "token-normalised (36 items): [0.0953, 0.4337]"],

@@ -25,6 +25,16 @@ def test_emulation_matches_accelerate_on_two_processes(sizing):
     np.testing.assert_allclose(traces[0], lr_per_update(sizing, num_batches, ga, 2), atol=1e-12)
 
 
+@pytest.mark.real
+def test_exact_step_count_against_real_accelerate_where_the_usual_rule_is_short():
+    # 10 batches, GA 2, 3 processes: each rank gets 4 batches (even_batches), 2 updates, 3 steps each.
+    assert schedule_length("updates", 10, 2, 3) == 6 and schedule_length("usual_rule", 10, 2, 3) == 5
+    traces = launch(accelerate_lr_trace, (10, 2, 6), num_processes=3, quiet=True)
+    assert len(traces[0]) == 2
+    np.testing.assert_allclose(traces[0], lr_per_update("updates", 10, 2, 3), atol=1e-12)
+    assert scheduler_steps_per_update(1000, 8, 4)[-1] == 128 and schedule_length("usual_rule", 1000, 8, 4) == 125
+
+
 def test_prepared_scheduler_steps_num_processes_times_per_update():
     assert scheduler_steps_per_update(16, 2, 2).tolist() == [2, 4, 6, 8]
     assert scheduler_steps_per_update(10, 4, 1).tolist() == [1, 2, 3]  # 4 + 4 + a short window of 2

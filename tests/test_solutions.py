@@ -27,7 +27,8 @@ def _naive_accumulation_step(model, optimizer, micro_batches, loss_fn, ctx):
 
 WRONG = {"00.2": 2, "01.1": True, "01.2": 0.02, "02.1": [3, 6, 9], "03.2": [1, 2, 3, 4, 5, 6, 7, 8], "04.1": 52,
          "05.1": 3738, "05.2": 2, "05.3": _naive_accumulation_step, "06.2": "no update",
-         "07.2": ("larger", "larger"), "07.3": 29.9}  # 07.3: the slower time / GA, other work included
+         "07.2": ("larger", "larger"), "07.3": 29.9,
+         "09.1": 250}  # 07.3: the slower time / GA, other work included
 
 
 def _check_cells():
@@ -112,22 +113,28 @@ def _numbers_01():
 
 
 def _numbers_02():
-    import math
-
-    from gaccum_lib import schedule, toy_regression
+    from gaccum_lib import toy_regression
     from gaccum_lib.sharding import split_windows
 
     sync_points = ANSWERS["02.1"]
     last_window = split_windows(toy_regression(num_points=20).micro_batch_indices(2), 4)[-1]
-    steps = schedule.scheduler_steps_per_update(1000, 8, 4)
-    per_rank = math.ceil(1000 / 4)
-    decay = schedule.schedule_length("micro_batches", 1000, 8, 4)
     return [f"`{sync_points}`", ", ".join(map(str, sync_points[:-1])) + f" and {sync_points[-1]}",
-            f"(here 4 / {len(last_window)} = {4 // len(last_window)})",
-            f"each rank gets {per_rank} batches", f"`ceil({per_rank} / 8) = {len(steps)}` optimizer updates",
-            f"{steps[-1]} scheduler steps, {100 * steps[-1] / decay:.1f} % of the {decay}-step decay",
-            f"`ceil(1000 / 8) = {schedule.schedule_length('updates', 1000, 8, 4)}` steps",
-            f"scheduler_steps_per_update(1000, 8, 4)[-1] == {steps[-1]}"]
+            f"(here 4 / {len(last_window)} = {4 // len(last_window)})"]
+
+
+def _numbers_09():
+    import math
+
+    from gaccum_lib import schedule
+
+    per_rank = math.ceil(1000 / 3)
+    updates = math.ceil(per_rank / 8)
+    total = schedule.schedule_length("updates", 1000, 8, 3, epochs=2)
+    assert total == ANSWERS["09.1"] == 2 * 3 * updates
+    return [f"**{total} scheduler steps**", f"`ceil(1000 / 3) = {per_rank}`", f"`ceil({per_rank} / 8) = {updates}`",
+            f"{3 * updates} steps an epoch",
+            f"rule says {schedule.schedule_length('usual_rule', 1000, 8, 3, epochs=2)}",
+            f"`ceil(1000 / 8) = {schedule.schedule_length('usual_rule', 1000, 8, 4)}` updates"]
 
 
 def _numbers_03():
@@ -228,7 +235,7 @@ def _numbers_07():
 
 
 README_NUMBERS = {"00": _numbers_00, "01": _numbers_01, "02": _numbers_02, "03": _numbers_03, "04": _numbers_04,
-                  "05": _numbers_05, "06": _numbers_06, "07": _numbers_07}
+                  "05": _numbers_05, "06": _numbers_06, "07": _numbers_07, "09": _numbers_09}
 
 
 def test_the_readme_numbers_cover_every_lesson():
