@@ -97,9 +97,18 @@ def accelerate_lr_trace(num_batches: int, grad_accum_steps: int, total_steps: in
         raise TypeError(f"adjust_scheduler must be a bool, got {type(adjust_scheduler).__name__}")
     plugin = GradientAccumulationPlugin(num_steps=grad_accum_steps, adjust_scheduler=adjust_scheduler)
     accelerator = Accelerator(gradient_accumulation_plugin=plugin, cpu=cpu)
+    return _lr_of_each_update(accelerator, num_batches, epochs, peak_lr,
+                              lambda optimizer: torch.optim.lr_scheduler.LambdaLR(
+                                  optimizer, lambda s: max(0.0, 1.0 - s / total_steps)))
+
+
+def _lr_of_each_update(accelerator, num_batches: int, epochs: int, peak_lr: float, make_scheduler) -> list[float]:
+    """Train a one-weight model through ``accumulate()`` with a prepared scheduler; the lr each update uses."""
+    import torch
+
     model = torch.nn.Linear(1, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=peak_lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / total_steps))
+    scheduler = make_scheduler(optimizer)
     loader = torch.utils.data.DataLoader(torch.ones(num_batches, 1), batch_size=1)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     used = []
@@ -137,20 +146,8 @@ def one_cycle_lrs(num_batches: int, grad_accum_steps: int, *, honour_adjust_sche
         num_steps=grad_accum_steps, adjust_scheduler=True))
     if honour_adjust_scheduler:
         accelerator.gradient_state.plugin_kwargs["adjust_scheduler"] = True
-    model = torch.nn.Linear(1, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1,
-                                                    total_steps=math.ceil(num_batches / grad_accum_steps))
-    loader = torch.utils.data.DataLoader(torch.ones(num_batches, 1), batch_size=1)
-    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    used = []
-    for batch in loader:
-        with accelerator.accumulate(model):
-            accelerator.backward(model(batch).sum())
-            if accelerator.sync_gradients:
-                used.append(scheduler.get_last_lr()[0])  # the lr this update is about to use
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
+    updates = math.ceil(num_batches / grad_accum_steps)
+    used = _lr_of_each_update(accelerator, num_batches, 1, 0.1, lambda optimizer: torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=0.1, total_steps=updates))
     reset_accelerate_state(quiet=True)
     return used

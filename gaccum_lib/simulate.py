@@ -190,13 +190,27 @@ def _accumulated_step(problem, strategy, replicas, optimizers, window, batches, 
     return loss_total
 
 
+def mean_over_ranks(per_rank_grads) -> list:
+    """DDP's all-reduce: each parameter's gradient averaged over the ranks (a missing one counts as zero).
+
+    ``per_rank_grads[r]`` lists rank ``r``'s gradients, one per parameter (``None`` when it has none).
+    """
+    means = []
+    for grads in zip(*per_rank_grads, strict=True):
+        present = [g for g in grads if g is not None]
+        filled = [g if g is not None else torch.zeros_like(present[0]) for g in grads] if present else None
+        means.append(torch.stack(filled).mean(dim=0) if filled else None)
+    return means
+
+
 def _all_reduce_mean(replicas) -> None:
-    """Replace every replica's gradients by their average over replicas (DDP's all-reduce)."""
+    """Replace every replica's gradients by their average over replicas."""
     if len(replicas) == 1:
         return
-    for params in zip(*(m.parameters() for m in replicas), strict=True):
-        mean = torch.stack([p.grad for p in params]).mean(dim=0)
-        for p in params:
+    params = [list(m.parameters()) for m in replicas]
+    for group, mean in zip(zip(*params, strict=True), mean_over_ranks([[p.grad for p in ps] for ps in params]),
+                           strict=True):
+        for p in group:
             p.grad.copy_(mean)
 
 
