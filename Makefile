@@ -1,6 +1,7 @@
 # gaccum: two commands from a fresh clone.
 #   make lab    environment + JupyterLab on 127.0.0.1 (token auth)
-#   make test   environment + every check (lint, unit tests, notebooks, notebooks in a real browser)
+#   make test   environment + every check (lint, unit tests, notebooks, notebooks in a real browser;
+#               on a fresh Debian/Ubuntu machine it installs Chromium for that as well)
 #   make html   environment + the lessons as a static, offline site in build/site/
 #
 # The environment is .venv, built from requirements/lock.txt (exact pins) plus torch, whose
@@ -74,12 +75,14 @@ notebooks: $(STAMP)
 	  -p no:cacheprovider -q $(EXECUTED)/*.ipynb
 	$(PY) -m pytest tests -q -m notebooks -p no:cacheprovider
 
-# Every notebook in a real browser: JupyterLab from .venv (127.0.0.1, token) driven through Debian's
-# Chromium by Playwright -- Run All, no error output or console error, sliders redraw their plots,
-# launch buttons answer. Screenshots go to build/screenshots/. Without Chromium it fails, saying
-# how to install it (`apt-get install -y chromium`; .ci/run does it).
+# Every notebook in a real browser: JupyterLab from .venv (127.0.0.1, token) driven through the
+# system's Chromium by Playwright -- Run All, no error output or console error, sliders redraw their
+# plots, launch buttons answer. Screenshots go to build/screenshots/. The browser comes first:
+# tests/browser/chromium.py finds an installed Chrome/Chromium, or installs Debian's Chromium
+# (as root or through passwordless sudo), or stops here naming the one command that fixes it.
 browser: $(STAMP)
-	$(PY) -m pytest tests/browser -q --tb=short -p no:cacheprovider
+	@mkdir -p build && $(PY) tests/browser/chromium.py --provide > build/chromium-path
+	GACCUM_CHROMIUM="$$(cat build/chromium-path)" $(PY) -m pytest tests/browser -q --tb=short -p no:cacheprovider
 
 # The lessons as a static site that works offline: executes every notebook (widgets keep their
 # last state), renders build/site/index.html and one page per notebook, then checks the result.

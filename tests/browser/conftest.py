@@ -9,8 +9,10 @@ Settings (environment variables):
 - ``GACCUM_BROWSER_NOTEBOOKS``: notebooks to test instead of every ``notebooks/*.ipynb``,
   separated by ``:`` (files, or folders whose ``*.ipynb`` are all taken). For trying the test
   on a scratch notebook; CI never sets it. JupyterLab still serves every lesson next to them.
-- ``GACCUM_CHROMIUM``: the Chromium executable (default: ``chromium`` on the PATH, then
-  ``/usr/bin/chromium``). Where none is found every test FAILS, saying how to install it.
+- ``GACCUM_CHROMIUM``: the Chrome/Chromium executable (default: the first that ``chromium.py``
+  finds on the PATH, in the usual Linux places or in a macOS application bundle; ``make browser``
+  installs Debian's Chromium first where it can). Where none is found every test FAILS, saying
+  how to get one.
   The browser is never skipped and never downloaded (no ``playwright install``).
 - ``GACCUM_SCREENSHOTS``: where the screenshots go (default ``build/screenshots``).
 """
@@ -23,7 +25,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,7 +32,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import chromium  # this folder's finder (pytest puts the folder on sys.path)
 import pytest
+
+from gaccum_lib.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -85,21 +89,11 @@ def notebooks_under_test() -> list[Path]:
 
 
 def find_chromium() -> str:
-    chosen = os.environ.get("GACCUM_CHROMIUM", "")
-    candidates = [chosen] if chosen else [shutil.which("chromium") or "", "/usr/bin/chromium"]
-    for candidate in candidates:
-        if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
-            return candidate
-    pytest.fail(f"Chromium not found ({chosen or 'chromium on the PATH, /usr/bin/chromium'}), so the notebooks "
-                "cannot be tested in a real browser. Install Debian's "
-                "Chromium (`apt-get install -y chromium`, as root; `.ci/run` does it) or point GACCUM_CHROMIUM "
-                "at a Chromium executable. Never `playwright install`: it downloads.", pytrace=False)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    found = chromium.find()  # `make browser` installs Debian's Chromium first where it may
+    if found is None:
+        pytest.fail(f"Chrome/Chromium not found, so the notebooks cannot be tested in a real browser. {chromium.HOW}",
+                    pytrace=False)
+    return found
 
 
 class Lab:
@@ -190,7 +184,7 @@ def lab(tmp_path_factory):
     env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(settings), JUPYTER_PLATFORM_DIRS="1",
                **{key: str(base / name) for key, name in dirs.items()})
     token = secrets.token_hex(24)
-    port = _free_port()
+    port = free_port()
     # Token auth on 127.0.0.1 only; no news, update check or extension manager: nothing goes online.
     command = [str(Path(sys.executable).parent / "jupyter"), "lab", "--no-browser",
                "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
