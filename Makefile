@@ -61,7 +61,7 @@ lab: $(STAMP)
 test: lint unit notebooks browser
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check gaccum_lib tests scripts examples solutions notebooks
+	$(VENV)/bin/ruff check gaccum_lib benchmarks tests scripts examples solutions notebooks
 	$(PY) scripts/check_notebooks.py notebooks
 
 unit: $(STAMP)
@@ -92,7 +92,7 @@ html: $(STAMP)
 
 # Ratios and counts measured in one run; the results are committed and shown by notebook 07 and the README.
 bench: $(STAMP)
-	$(PY) -m gaccum_lib.bench --out benchmarks/results.json --plot benchmarks/results.png
+	$(PY) benchmarks/bench.py --out benchmarks/results.json --plot benchmarks/results.png
 
 determinism: $(STAMP)
 	$(PY) scripts/check_determinism.py --runs 3

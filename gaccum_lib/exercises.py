@@ -127,7 +127,7 @@ def _allreduce_cost_model() -> tuple[float, float, int]:
     Without ``no_sync`` an update does GA all-reduces, with it one, and otherwise the same work:
     ``without = rest + GA * one`` and ``with = rest + one``.
     """
-    from .bench import load
+    from .benchmarks import load
 
     allreduce = load()["allreduce"]
     ga = allreduce["grad_accum_steps"]

@@ -15,7 +15,7 @@ micro-batch means goes wrong.
   characters therefore has ``L - 1`` targets; :meth:`LMProblem.count_targets` counts after
   the shift, :func:`count_targets_before_shift` shows the classic mistake (one extra
   target per row).
-* :func:`error_vs_ga` and :func:`plot_error_vs_ga` measure and draw how far naive and
+* :func:`error_vs_ga` measures (and :func:`gaccum_lib.plots.plot_error_vs_ga` draws) how far naive and
   token-normalised accumulation end from the full-batch run as GA grows at a fixed
   effective batch.
 * It also registers the checkers of the lesson's exercises ``"05.1"`` and ``"05.2"``
@@ -322,81 +322,8 @@ def error_vs_ga(problem: Problem, ga_values=(1, 2, 4, 8, 16), *, effective_batch
             **{s: np.asarray(e) for s, e in errors.items()}}
 
 
-def plot_error_vs_ga(sweeps: dict, axes=None, *, floor: float = 1e-18, rounding: float | None = 1e-13,
-                     legend: bool = True):
-    """Each strategy's error vs GA, one line per sweep (e.g. 'one line per row', 'packed'), in two panels.
-
-    ``sweeps`` maps a name to a result of :func:`error_vs_ga`. Left: a linear scale, where the
-    naive error's growth shows. Right: a log scale, where the others show: exact zeros (GA = 1
-    makes every strategy the full batch) are drawn at ``floor``, and a grey band up to
-    ``rounding`` marks the float64 rounding level (``None``: no band). Returns both axes.
-    """
-    import matplotlib.ticker
-
-    from . import plots
-    from .strategies import LABELS
-
-    if axes is None:
-        import matplotlib.pyplot as plt
-
-        plots.apply_style()
-        _, axes = plt.subplots(1, 2, figsize=(11, 4.4), layout="constrained")
-    linear, logarithmic = axes
-    ga_values = sorted({g for sweep in sweeps.values() for g in sweep["ga"]})
-    for k, (name, sweep) in enumerate(sweeps.items()):
-        for s in (s for s in LABELS if s in sweep):
-            style = plots.style_for(s)
-            if k:  # later sweeps: same colour, hollow markers, thinner
-                style.update(markerfacecolor="white", linewidth=1.4, linestyle="-", alpha=0.9)
-            linear.plot(sweep["ga"], sweep[s], label=f"{LABELS[s]}, {name}", markersize=7, **style)
-            logarithmic.plot(sweep["ga"], np.maximum(sweep[s], floor), markersize=7, **style)
-    for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(ga_values))
-        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
-        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-        ax.set_xlabel("accumulation steps (same effective batch)")
-        ax.set_ylabel("largest distance to full batch")
-    logarithmic.set_yscale("log")
-    logarithmic.yaxis.set_major_locator(matplotlib.ticker.LogLocator(numticks=8))
-    logarithmic.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-    if rounding is not None:
-        logarithmic.axhspan(floor / 2, rounding, color="0.88", zorder=0)
-        logarithmic.text(0.02, rounding / 3, "float64 rounding (an exact 0 is drawn at the bottom)", fontsize=10,
-                         color="0.35", va="top", transform=logarithmic.get_yaxis_transform())
-    highest = max(float(np.max(sweep[s])) for sweep in sweeps.values() for s in LABELS if s in sweep)
-    linear.set_ylim(bottom=-0.05 * highest, top=1.5 * highest if highest > 0 else 1.0)  # room for the legend
-    linear.set_title("linear scale: the naive error grows with GA")
-    logarithmic.set_title("log scale: the others stay at rounding")
-    if legend:
-        linear.legend(loc="upper left", fontsize=10)
-    return axes
-
-
-def plot_lengths(problems: dict, ax=None):
-    """Histogram of the targets per row of each problem (varied lines vs packed blocks)."""
-    from . import plots
-
-    if ax is None:
-        import matplotlib.pyplot as plt
-
-        plots.apply_style()
-        _, ax = plt.subplots(figsize=(7, 3.6), layout="constrained")
-    top = max(max(p.lengths) for p in problems.values())
-    bins = np.arange(0, top + 5, 5)
-    for k, (name, problem) in enumerate(problems.items()):
-        style = plots.style_for(f"lengths-{k}", k)
-        ax.hist([n - 1 for n in problem.lengths], bins=bins, color=style["color"], alpha=0.75,
-                hatch=["", "//"][k % 2], edgecolor="white", label=name)
-    ax.set_xlabel("targets per row (after the shift)")
-    ax.set_ylabel("rows")
-    ax.set_title("how many targets each row carries")
-    ax.legend(loc="best")
-    return ax
-
-
 __all__ = [
     "CharVocab", "LMProblem", "TinyCausalLM", "corpus_lines", "corpus_text", "count_targets_before_shift",
-    "error_vs_ga", "pack", "plot_error_vs_ga", "plot_lengths", "shift_for_next_token", "tiny_lm",
+    "error_vs_ga", "pack", "shift_for_next_token", "tiny_lm",
     "vocabulary",
 ]

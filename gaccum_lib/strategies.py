@@ -99,25 +99,11 @@ def plain_backward_loss(
     return loss_sum / window_terms  # token_no_world_scale
 
 
-def accelerate_backward_loss(
-    strategy: str,
-    loss_sum,
-    num_terms: int,
-    *,
-    window_terms: int,
-    local_window_terms: int,
-    grad_accum_steps: int,
-    num_processes: int = 1,
-):
-    """The same losses for ``accelerator.backward``, which divides by ``grad_accum_steps`` itself."""
-    _check_window(strategy, num_terms, window_terms, local_window_terms, grad_accum_steps, num_processes)
-    ga, world = grad_accum_steps, num_processes
-    if strategy == "mean_of_means":
-        return loss_sum / num_terms
-    if strategy == "sum_of_means":
-        return loss_sum / num_terms * ga
-    if strategy == "token_normalised":
-        return loss_sum * ga * world / window_terms
-    if strategy == "token_local_count":
-        return loss_sum * ga * world / local_window_terms
-    return loss_sum * ga / window_terms  # token_no_world_scale
+def accelerate_backward_loss(strategy: str, loss_sum, num_terms: int, **window):
+    """The same losses for ``accelerator.backward``, which divides by ``grad_accum_steps`` itself.
+
+    Takes :func:`plain_backward_loss`'s keyword arguments. Whatever the strategy, the loss is the
+    plain-backward loss times GA: the division is undone.
+    """
+    loss = plain_backward_loss(strategy, loss_sum, num_terms, **window)  # checks the arguments first
+    return loss * window["grad_accum_steps"]

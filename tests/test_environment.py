@@ -113,8 +113,14 @@ def test_jupyterlab_started_like_make_lab_refuses_requests_without_the_token(tmp
 def test_gpus_are_counted_without_the_cuda_check_that_breaks_a_later_fork(monkeypatch):
     # torch.cuda.is_available() runs cuInit; forked launcher children then cannot use CUDA.
     # Stand in for a 2-GPU machine whose every fork-unsafe probe fails loudly.
-    from gaccum_lib.bench import machine
+    import importlib.util
+
     from gaccum_lib.launch import choose_device
+
+    spec = importlib.util.spec_from_file_location("bench", Path(__file__).parents[1] / "benchmarks" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    machine = bench.machine
 
     def fork_poisoning_probe():
         raise AssertionError("torch.cuda.is_available() was called before a launch")

@@ -16,11 +16,10 @@ from gaccum_lib.lm import (
     count_targets_before_shift,
     error_vs_ga,
     pack,
-    plot_error_vs_ga,
-    plot_lengths,
     tiny_lm,
     vocabulary,
 )
+from gaccum_lib.plots import plot_error_vs_ga, plot_lengths
 
 EXACT = 1e-6  # "equals the full batch", as everywhere in the suite
 FLOOR = 1e-12  # float64 rounding after a few updates (measured: about 1e-15)

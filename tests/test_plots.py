@@ -101,9 +101,9 @@ def test_capstone_plots_are_readable():
     plt.close("all")
     problem = lm.tiny_lm(16)
     sweep = lm.error_vs_ga(problem, (1, 2, 4), effective_batch=8)
-    axes = lm.plot_error_vs_ga({"lines": sweep})
+    axes = plots.plot_error_vs_ga({"lines": sweep})
     assert_readable(axes[0].figure)
-    ax = lm.plot_lengths({"lines": problem})
+    ax = plots.plot_lengths({"lines": problem})
     assert_readable(ax.figure)
 
 

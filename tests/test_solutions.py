@@ -210,9 +210,9 @@ def _numbers_06():
 
 
 def _numbers_07():
-    from gaccum_lib import bench
+    from gaccum_lib import benchmarks
 
-    allreduce = bench.load()["allreduce"]
+    allreduce = benchmarks.load()["allreduce"]
     ga = allreduce["grad_accum_steps"]
     with_no_sync, without = allreduce["ms_per_update"]["no_sync"], allreduce["ms_per_update"]["every_micro_batch"]
     one = (without - with_no_sync) / (ga - 1)

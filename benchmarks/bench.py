@@ -1,11 +1,13 @@
+#!/usr/bin/env python
 """What accumulation costs and saves, measured as ratios and counts in one run (`make bench`).
 
-    python -m gaccum_lib.bench                      # everything, a few minutes on 2 cores (= make bench)
-    python -m gaccum_lib.bench --only memory,widgets
-    python -m gaccum_lib.bench --out results.json --plot results.png
+    python benchmarks/bench.py                      # everything, a few minutes on 2 cores (= make bench)
+    python benchmarks/bench.py --only memory,widgets
+    python benchmarks/bench.py --out results.json --plot results.png
 
-Results are committed in benchmarks/ (results.json, results.png); notebook 07 and the README
-show them. On a GPU machine the same command measures the GPU sections there.
+Results are committed beside this file (results.json, results.png); notebook 07 and the README
+show them through gaccum_lib.benchmarks (load, table, plot). On a GPU machine the same command
+measures the GPU sections there.
 
 Every figure is a ratio or a count from this one run, so the numbers compare across
 machines: timings are medians over interleaved repetitions (A, B, A, B, ...), so background
@@ -33,9 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-# The repository (results and notebooks live there; the package is installed in editable mode).
-ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("strategy_cost", "allreduce", "memory", "simulator", "widgets", "notebooks")
+from gaccum_lib.benchmarks import ROOT, SECTIONS, plot, table
 
 
 def _median_ms(samples):
@@ -101,7 +101,8 @@ def _allreduce_worker(grad_accum_steps, micro_batch_size, width, depth, repeats)
 
     import torch
     from accelerate import Accelerator
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from gaccum_lib.accelerate_runs import count_allreduce_rounds
 
     accelerator = Accelerator()
     torch.manual_seed(0)
@@ -109,14 +110,7 @@ def _allreduce_worker(grad_accum_steps, micro_batch_size, width, depth, repeats)
     for _ in range(depth):
         layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
     model = accelerator.prepare(torch.nn.Sequential(*layers, torch.nn.Linear(width, 1)))
-    rounds = {"count": 0}
-
-    def counting_hook(state, bucket):
-        if bucket.index() == 0:
-            rounds["count"] += 1
-        return allreduce_hook(state, bucket)
-
-    model.register_comm_hook(None, counting_hook)
+    rounds = count_allreduce_rounds(model)
     generator = torch.Generator().manual_seed(accelerator.process_index)
     batches = [torch.randn(micro_batch_size, width, generator=generator, device="cpu").to(accelerator.device)
                for _ in range(grad_accum_steps)]
@@ -130,9 +124,9 @@ def _allreduce_worker(grad_accum_steps, micro_batch_size, width, depth, repeats)
 
     counts = {}
     for mode, skip in (("no_sync", True), ("every_micro_batch", False)):
-        before = rounds["count"]
+        before = rounds["rounds"]
         update(skip)
-        counts[mode] = rounds["count"] - before
+        counts[mode] = rounds["rounds"] - before
     times = {"no_sync": [], "every_micro_batch": []}
     for _ in range(repeats):
         for mode, skip in (("no_sync", True), ("every_micro_batch", False)):
@@ -254,9 +248,6 @@ def bench_notebooks(quick: bool) -> dict:
             "notebooks": {name: {"seconds": s, "times_bare": s / bare_s} for name, s in seconds.items()}}
 
 
-# ----------------------------------------------------------------------------------------------
-
-
 def machine() -> dict:
     from importlib import metadata
 
@@ -268,110 +259,6 @@ def machine() -> dict:
             "cpu_cores": os.cpu_count(), "gpus": gpu_count(),
             "torch": torch.__version__, "accelerate": metadata.version("accelerate"),
             "date": time.strftime("%Y-%m-%d")}
-
-
-def table(results: dict) -> str:
-    lines = [f"machine: {results['machine']['cpu_cores']} cores, {results['machine']['gpus']} GPUs, "
-             f"torch {results['machine']['torch']}, accelerate {results['machine']['accelerate']}"]
-    r = results.get("strategy_cost")
-    if r:
-        lines.append(f"strategy cost     token-normalised / naive per update: {r['token_over_naive']:.3f} "
-                     f"({r['token_ms_per_update']:.2f} vs {r['naive_ms_per_update']:.2f} ms, "
-                     f"GA {r['grad_accum_steps']})")
-    r = results.get("allreduce")
-    if r:
-        counts = r["allreduce_rounds_per_update"]
-        lines.append(f"all-reduce        rounds per update: no_sync {counts['no_sync']}, without "
-                     f"{counts['every_micro_batch']} (GA {r['grad_accum_steps']}); time without / with no_sync: "
-                     f"{r['every_micro_batch_over_no_sync']:.2f}x ({r['gradient_mib']:.0f} MiB of gradients, "
-                     f"{r['device']})")
-    r = results.get("memory")
-    if r:
-        row = r["rows"]
-        lines.append("memory            effective batch " + ", ".join(str(x["effective_batch"]) for x in row))
-        lines.append("                  big batch MiB    " + ", ".join(f"{x['big_batch_mib']:.1f}" for x in row))
-        lines.append("                  accumulation MiB " + ", ".join(f"{x['accumulation_mib']:.1f}" for x in row))
-    r = results.get("simulator")
-    if r:
-        lines.append(f"simulator         real launch / simulator: {r['real_over_simulated']:.0f}x "
-                     f"({r['real_launch_ms']:.0f} vs {r['simulated_ms']:.1f} ms), same result to "
-                     f"{r['same_result_max_diff']:.1e}")
-    r = results.get("widgets")
-    if r:
-        for name, w in r.items():
-            if isinstance(w, dict):
-                lines.append(f"widget            {name}: median {w['median_ms']:.0f} ms, worst {w['worst_ms']:.0f} ms "
-                             f"over {w['changes']} changes (first display {w['first_display_ms']:.0f} ms)")
-    r = results.get("notebooks")
-    if r:
-        lines.append(f"notebooks         bare notebook (import torch): {r['bare_notebook_s']:.1f} s under nbmake")
-        for name, n in r["notebooks"].items():
-            lines.append(f"                  {name:<36} {n['seconds']:5.1f} s = {n['times_bare']:.1f}x bare")
-    return "\n".join(lines)
-
-
-def load(path: Path | None = None) -> dict:
-    """The saved results (benchmarks/results.json by default)."""
-    path = Path(path) if path is not None else ROOT / "benchmarks" / "results.json"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: run `make bench` first")
-    return json.loads(path.read_text())
-
-
-def plot(results: dict, path: Path | None = None):
-    """Four panels: memory, widget answer times, notebook run times, cost ratios; saved if ``path``."""
-    from matplotlib.figure import Figure
-
-    from gaccum_lib import plots
-
-    plots.apply_style()
-    fig = Figure(figsize=(13, 9), layout="constrained")
-    axes = fig.subplots(2, 2)
-    if "memory" in results:
-        rows = results["memory"]["rows"]
-        batches = [r["effective_batch"] for r in rows]
-        axes[0, 0].plot(batches, [r["big_batch_mib"] for r in rows], label="one big batch",
-                        **plots.style_for("full_batch"))
-        axes[0, 0].plot(batches, [r["accumulation_mib"] for r in rows], label="accumulation",
-                        **plots.style_for("token_normalised"))
-        axes[0, 0].set_xscale("log", base=2)
-        axes[0, 0].set_xticks(batches, [str(b) for b in batches])
-        axes[0, 0].minorticks_off()
-        axes[0, 0].set(xlabel="effective batch (examples per update)", ylabel="peak MiB",
-                       title="memory of one update (micro-batch 32)")
-        axes[0, 0].legend()
-    if "widgets" in results:
-        names = [n for n, w in results["widgets"].items() if isinstance(w, dict)]
-        medians = [results["widgets"][n]["median_ms"] for n in names]
-        worst = [results["widgets"][n]["worst_ms"] for n in names]
-        x = range(len(names))
-        axes[0, 1].bar([i - 0.2 for i in x], medians, width=0.4, label="median", color=plots.OKABE_ITO["blue"])
-        axes[0, 1].bar([i + 0.2 for i in x], worst, width=0.4, label="worst", color=plots.OKABE_ITO["orange"],
-                       hatch="//")
-        axes[0, 1].axhline(200, color="0.4", linestyle="--", label="200 ms")
-        axes[0, 1].set_xticks(list(x), [n.replace("_explorer", "") for n in names])
-        axes[0, 1].set(ylabel="ms (compute + redraw)", title="widget answer time")
-        axes[0, 1].legend()
-    if "notebooks" in results:
-        nbs = results["notebooks"]["notebooks"]
-        names = list(nbs)
-        axes[1, 0].barh(names, [nbs[n]["times_bare"] for n in names], color=plots.OKABE_ITO["sky"])
-        axes[1, 0].axvline(4, color="0.4", linestyle="--", label="4x bare")
-        axes[1, 0].set(xlabel="nbmake time / bare notebook's", title="notebook run time")
-        axes[1, 0].invert_yaxis()
-        axes[1, 0].legend()
-    ratios = {}
-    if "strategy_cost" in results:
-        ratios["token-normalised\n/ naive"] = results["strategy_cost"]["token_over_naive"]
-    if "allreduce" in results:
-        ratios["sync every\nmicro-batch / no_sync"] = results["allreduce"]["every_micro_batch_over_no_sync"]
-    if ratios:
-        axes[1, 1].bar(list(ratios), list(ratios.values()), color=plots.OKABE_ITO["green"])
-        axes[1, 1].axhline(1, color="0.4")
-        axes[1, 1].set(ylabel="time ratio", title="what the methods cost")
-    if path is not None:
-        fig.savefig(path, dpi=80)
-    return fig
 
 
 def main(argv=None) -> int:
