@@ -48,3 +48,30 @@ def test_accelerate_launch_two_cpu_processes_naive():
     records, stdout = _run([str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
                             "--main_process_port", str(free_port()), str(SCRIPT), "--strategy", "mean_of_means"])
     _check(records, stdout, [0.1622, 0.3668])
+
+
+def test_the_readme_multi_node_line_with_two_nodes_on_this_machine():
+    # The README's `torchrun --nnodes 2 --node_rank R --rdzv_endpoint HOST:PORT` line, one process per
+    # "node", both nodes here on 127.0.0.1: node 0 hosts the rendezvous, node 1 joins it.
+    port = free_port()
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+
+    def node(rank):
+        return subprocess.Popen([str(BIN / "torchrun"), "--nnodes", "2", "--node_rank", str(rank), "--rdzv_endpoint",
+                                 f"127.0.0.1:{port}", "--nproc_per_node", "1", str(SCRIPT)],
+                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    nodes = [node(0), node(1)]
+    outputs = []
+    try:
+        for process in nodes:
+            out, err = process.communicate(timeout=180)
+            assert process.returncode == 0, err[-3000:]
+            outputs.append(out)
+    finally:
+        for process in nodes:
+            process.kill()
+    stdout = "".join(outputs)
+    records = sorted((json.loads(match) for match in re.findall(r"\{\"rank\".*?\]\}", stdout)),
+                     key=lambda r: r["rank"])
+    _check(records, outputs[0], [0.2117, 0.3172])
