@@ -56,18 +56,25 @@ def problems_of(path: Path) -> list[str]:
 
 
 def strip(path: Path) -> bool:
-    nb = json.loads(path.read_text())
-    before = json.dumps(nb, sort_keys=True)
-    nb["metadata"] = {k: v for k, v in nb.get("metadata", {}).items() if k in KEPT_METADATA}
-    for cell in nb.get("cells", []):
-        if cell.get("cell_type") == "code":
-            cell["outputs"] = []
-            cell["execution_count"] = None
-        cell.setdefault("metadata", {}).pop("execution", None)
-    changed = json.dumps(nb, sort_keys=True) != before
-    if changed:
-        path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
-    return changed
+    """Clear outputs and volatile metadata with nbconvert's own preprocessors; write with nbformat.
+
+    What nbconvert does not decide for us: which metadata a lesson keeps. The notebook keeps
+    its kernelspec, language name and nbmake's execution settings; a cell keeps its tags
+    (``raises-exception``, ``skip-execution``) and ``jupyter`` (a collapsed, hidden source).
+    """
+    import nbformat
+    from nbconvert.preprocessors import ClearMetadataPreprocessor, ClearOutputPreprocessor
+
+    before = path.read_text()
+    nb = nbformat.reads(before, as_version=4)
+    nb, _ = ClearOutputPreprocessor().preprocess(nb, {})
+    nb, _ = ClearMetadataPreprocessor(
+        preserve_nb_metadata_mask={(key,) for key in KEPT_METADATA},
+        preserve_cell_metadata_mask={"tags", "jupyter"}).preprocess(nb, {})
+    after = nbformat.writes(nb) + "\n"
+    if after != before:
+        path.write_text(after)
+    return after != before
 
 
 def main(argv=None) -> int:

@@ -25,6 +25,8 @@ def test_checker_flags_outputs_and_strip_removes_them(tmp_path):
     code = next(c for c in nb["cells"] if c["cell_type"] == "code")
     code["outputs"] = [{"output_type": "stream", "name": "stdout", "text": ["stale\n"]}]
     code["execution_count"] = 7
+    code["metadata"] = {"tags": ["raises-exception"], "jupyter": {"source_hidden": True}, "scrolled": True,
+                        "execution": {"iopub.execute_input": "2026-12-02T20:00:00Z"}}
     nb["metadata"]["widgets"] = {"state": {}}
     copy.write_text(json.dumps(nb))
     flagged = subprocess.run([*CHECKER, str(tmp_path)], capture_output=True, text=True)
@@ -32,6 +34,12 @@ def test_checker_flags_outputs_and_strip_removes_them(tmp_path):
     assert "has outputs" in flagged.stdout and "execution count" in flagged.stdout and "'widgets'" in flagged.stdout
     subprocess.run([*CHECKER, "--strip", str(tmp_path)], check=True, capture_output=True)
     assert subprocess.run([*CHECKER, str(tmp_path)], capture_output=True).returncode == 0
+    stripped = json.loads(copy.read_text())
+    kept = next(c for c in stripped["cells"] if c["cell_type"] == "code")["metadata"]
+    assert kept == {"tags": ["raises-exception"], "jupyter": {"source_hidden": True}}  # what the lessons use
+    assert set(stripped["metadata"]) == {"kernelspec", "language_info"}
+    again = subprocess.run([*CHECKER, "--strip", str(tmp_path)], check=True, capture_output=True, text=True)
+    assert again.stdout.startswith("clean")  # stripping twice changes nothing
 
 
 def test_checker_requires_asserts_and_the_lesson_shape(tmp_path):
