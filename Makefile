@@ -33,7 +33,7 @@ help:
 	@echo "make bench  - measure what accumulation costs and saves (a few minutes); writes benchmarks/results.*"
 	@echo "make determinism - run every notebook 3 times and check it prints the same numbers"
 	@echo "make strip  - remove outputs from the notebooks (the committed form)"
-	@echo "make lock   - re-resolve requirements/top-level.txt into requirements/lock.txt and environment.yml"
+	@echo "make lock   - re-resolve requirements/top-level.txt into requirements/lock.txt (pip-tools)"
 
 env: $(STAMP)
 
@@ -100,12 +100,17 @@ determinism: $(STAMP)
 strip: $(STAMP)
 	$(PY) scripts/check_notebooks.py --strip notebooks
 
+# pip-tools resolves requirements/top-level.txt into exact pins, without building an environment to
+# freeze. torch is held at the Makefile's CPU build while resolving (so no CUDA package is pinned) and
+# left out of the lock: `make env` installs the variant the machine needs. environment.yml reads the lock.
 lock:
-	rm -rf build/lockenv && $(PYTHON) -m venv build/lockenv
-	build/lockenv/bin/pip install --quiet "torch==$(TORCH_VERSION)+cpu" -r requirements/top-level.txt
-	{ head -n 2 requirements/lock.txt; build/lockenv/bin/pip freeze | grep -v -E '^(torch==|-e )'; } > requirements/lock.tmp
+	rm -rf build/locktools && $(PYTHON) -m venv build/locktools
+	build/locktools/bin/pip install --quiet pip-tools 2>&1 | $(QUIET_PIP)
+	echo "torch==$(TORCH_VERSION)+cpu" > build/locktools/torch.txt
+	build/locktools/bin/pip-compile --quiet --strip-extras --no-header --no-annotate --unsafe-package torch \
+	  --unsafe-package setuptools -c build/locktools/torch.txt -o build/locktools/lock.txt requirements/top-level.txt
+	{ head -n 2 requirements/lock.txt; grep -v -E '^(#|--|[[:space:]]*$$)' build/locktools/lock.txt; } > requirements/lock.tmp
 	mv requirements/lock.tmp requirements/lock.txt
-	$(PYTHON) scripts/sync_environment.py
 
 clean:
 	rm -rf build .pytest_cache
