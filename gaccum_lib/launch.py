@@ -117,20 +117,6 @@ def reset_accelerate_state(*, quiet: bool = False) -> bool:
     return existed
 
 
-@contextlib.contextmanager
-def _patched_environ(**values):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update({k: str(v) for k, v in values.items()})
-    try:
-        yield
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
-
-
 # --------------------------------------------------------------------------------------------
 # What runs in each launched process
 
@@ -296,6 +282,7 @@ def _check_this_process_can_fork(kind: str) -> None:
 def _launch_once(function, args, num_processes: int, kind: str, quiet: bool, timeout) -> dict:
     """One try of the launch; never raises for what the children did (see :func:`_results`)."""
     from accelerate import notebook_launcher
+    from accelerate.utils import patch_environment  # sets the variables, and restores what was there before
 
     env = {
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
@@ -306,7 +293,7 @@ def _launch_once(function, args, num_processes: int, kind: str, quiet: bool, tim
     }
     if kind == "cpu":
         env["ACCELERATE_USE_CPU"] = "1"
-    with tempfile.TemporaryDirectory(prefix="gaccum-launch-") as result_dir, _patched_environ(**env):
+    with tempfile.TemporaryDirectory(prefix="gaccum-launch-") as result_dir, patch_environment(**env):
         saved_handlers = _signal_handlers()
         watchdog = _Watchdog(result_dir, num_processes, timeout)
         launcher_error = None
