@@ -18,46 +18,28 @@ def shifted_targets(batch) -> int:
     return int(torch.as_tensor(batch["labels"])[:, 1:].ne(-100).sum())
 
 
-def token_normalised(model, optimizer, micro_batches, loss_fn, ctx):
-    total = ctx.all_reduce_sum(sum(shifted_targets(b) for b in micro_batches))
-    for batch in micro_batches:
-        loss_sum, _ = loss_fn(model, batch)
-        ctx.backward(loss_sum * ctx.grad_accum_steps * ctx.num_processes / total)
-    optimizer.step()
-    optimizer.zero_grad()
+def normalised_step(count, scale=1.0):
+    """The token-normalised loop with its own target counter (and, to make it wrong, a factor)."""
+    def step(model, optimizer, micro_batches, loss_fn, ctx):
+        total = ctx.all_reduce_sum(sum(count(b) for b in micro_batches))
+        for batch in micro_batches:
+            loss_sum, _ = loss_fn(model, batch)
+            ctx.backward(scale * loss_sum * ctx.grad_accum_steps * ctx.num_processes / total)
+        optimizer.step()
+        optimizer.zero_grad()
+    return step
 
 
-def seq_token_normalised(model, optimizer, micro_batches, loss_fn, ctx):
-    total = ctx.all_reduce_sum(sum(SEQ.count_targets(b) for b in micro_batches))
-    for batch in micro_batches:
-        loss_sum, _ = loss_fn(model, batch)
-        ctx.backward(loss_sum * ctx.grad_accum_steps * ctx.num_processes / total)
-    optimizer.step()
-    optimizer.zero_grad()
+token_normalised = normalised_step(shifted_targets)
+seq_token_normalised = normalised_step(SEQ.count_targets)
+counted_before_shift = normalised_step(count_targets_before_shift)  # one target per row too many
+scaled_085 = normalised_step(shifted_targets, scale=0.85)
 
 
 def mean_of_means(model, optimizer, micro_batches, loss_fn, ctx):
     for batch in micro_batches:
         loss_sum, count = loss_fn(model, batch)
         ctx.backward(loss_sum / max(count, 1))  # guarded: a micro-batch without targets adds nothing
-    optimizer.step()
-    optimizer.zero_grad()
-
-
-def counted_before_shift(model, optimizer, micro_batches, loss_fn, ctx):
-    total = ctx.all_reduce_sum(sum(count_targets_before_shift(b) for b in micro_batches))
-    for batch in micro_batches:
-        loss_sum, _ = loss_fn(model, batch)
-        ctx.backward(loss_sum * ctx.grad_accum_steps * ctx.num_processes / total)
-    optimizer.step()
-    optimizer.zero_grad()
-
-
-def scaled_085(model, optimizer, micro_batches, loss_fn, ctx):
-    total = ctx.all_reduce_sum(sum(shifted_targets(b) for b in micro_batches))
-    for batch in micro_batches:
-        loss_sum, _ = loss_fn(model, batch)
-        ctx.backward(0.85 * loss_sum * ctx.grad_accum_steps * ctx.num_processes / total)
     optimizer.step()
     optimizer.zero_grad()
 
@@ -258,13 +240,7 @@ def test_labels_given_as_lists_still_get_the_shift_diagnosis():
     def loss_fn(model, batch):
         return LM.loss_sum_and_count(model, {**batch, "labels": torch.as_tensor(batch["labels"])})
 
-    def before_shift(model, optimizer, micro_batches, loss_fn, ctx):
-        total = ctx.all_reduce_sum(sum(int(torch.as_tensor(b["labels"]).ne(-100).sum()) for b in micro_batches))
-        for batch in micro_batches:
-            loss_sum, _ = loss_fn(model, batch)
-            ctx.backward(loss_sum * ctx.grad_accum_steps * ctx.num_processes / total)
-        optimizer.step()
-        optimizer.zero_grad()
+    before_shift = normalised_step(lambda b: int(torch.as_tensor(b["labels"]).ne(-100).sum()))
 
     report = check_accumulation(before_shift, LM.make_model, as_lists, loss_fn)
     assert report.labels == ("targets counted before the shift",)
@@ -318,3 +294,14 @@ def test_the_reference_uses_the_same_optimizer():
     # Adam's first step moves every weight with a gradient by about lr (1e-3), unlike SGD's.
     assert np.median(np.abs(adam_update[adam_update != 0])) == pytest.approx(1e-3, rel=0.05)
     assert not np.allclose(sgd_step, report.details[1].reference_weights)
+
+
+def test_a_right_gradient_applied_wrongly_is_named():
+    def doubles_the_learning_rate(model, optimizer, micro_batches, loss_fn, ctx):
+        for group in optimizer.param_groups:
+            group["lr"] = 0.2  # the check's SGD was built with 0.1
+        token_normalised(model, optimizer, micro_batches, loss_fn, ctx)
+
+    report = lm_check(doubles_the_learning_rate)
+    assert report.labels == ("right gradient, wrong update",)
+    assert report.details[1].gradient_distance < 1e-4 and report.details[1].weight_distance == pytest.approx(1.0, 1e-3)

@@ -198,6 +198,10 @@ def _check_processes(step, make_model, make_optimizer, micro_batches, loss_fn, n
                 if int(zero_grads.max()) == 0 else "gradients or other state of the first window leak into the second")
         structural.append(f"state carried over between windows: the first update matches the reference but the "
                           f"second does not; {hint}")
+    if (most_steps == 1 and grad_dist <= grad_allowed and window_dist[0] > allowed[0] and spread <= allowed[0]):
+        structural.append(f"right gradient, wrong update: optimizer.step() got the full batch's gradient, but the "
+                          f"update is {window_dist[0]:.3g} (relative) off the reference optimizer's; was the learning "
+                          "rate or another optimizer setting changed, or the weights edited outside the step?")
     if first_failed and user_grad is not None and not np.any(user_grad):
         structural.append("no update: the gradient handed to optimizer.step() is 0; were the gradients zeroed "
                           "before optimizer.step(), or does the loss not reach the parameters?")
