@@ -1,0 +1,21 @@
+"""benchmarks/results.json is a whole, full `make bench` run of the settings lesson 07 describes."""
+
+from gaccum_lib import benchmarks
+
+
+def test_the_saved_results_are_a_full_run_of_every_section():
+    results = benchmarks.load()
+    assert results["quick"] is False  # a full run, not a smoke run
+    assert set(benchmarks.SECTIONS) <= set(results)
+    assert {"cpu_cores", "gpus", "torch", "accelerate"} <= set(results["machine"])  # the machine it ran on
+
+
+def test_the_allreduce_and_memory_settings_are_the_ones_the_lesson_describes():
+    results = benchmarks.load()
+    allreduce = results["allreduce"]
+    assert allreduce["num_processes"] == 2 and allreduce["grad_accum_steps"] == 8
+    assert allreduce["device"].startswith("cuda" if results["machine"]["gpus"] >= 2 else "cpu")
+    assert 1e6 < allreduce["model_parameters"] < 1e7
+    assert allreduce["gradient_mib"] > 1  # megabytes per all-reduce, against one integer per all-gather
+    memory = results["memory"]
+    assert memory["micro_batch_size"] == 32 and memory["rows"][-1]["effective_batch"] == 16 * 32  # up to GA 16
