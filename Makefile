@@ -69,10 +69,13 @@ unit: $(STAMP)
 
 # Executes copies of the notebooks (nbmake keeps their outputs there), then checks what the
 # executed outputs show: the reference figures must appear, not just the asserts pass.
+# The kernels get the site's alt-text start-up script, so `make html` can render these very outputs.
 notebooks: $(STAMP)
-	rm -rf $(EXECUTED) && mkdir -p $(EXECUTED) && cp notebooks/*.ipynb $(EXECUTED)/
-	$(PY) -m pytest --nbmake --overwrite $(if $(filter 0,$(NB_WORKERS)),,-n $(NB_WORKERS)) \
-	  -p no:cacheprovider -q $(EXECUTED)/*.ipynb
+	rm -rf $(EXECUTED) build/ipython && mkdir -p $(EXECUTED) build/ipython/profile_default/startup
+	cp notebooks/*.ipynb $(EXECUTED)/ && cp scripts/site_alt_text.py build/ipython/profile_default/startup/
+	IPYTHONDIR=$(CURDIR)/build/ipython $(PY) -m pytest --nbmake --overwrite \
+	  $(if $(filter 0,$(NB_WORKERS)),,-n $(NB_WORKERS)) -p no:cacheprovider -q $(EXECUTED)/*.ipynb
+	touch $(EXECUTED)/.complete
 	$(PY) -m pytest tests -q -m notebooks -p no:cacheprovider
 
 # Every notebook in a real browser: JupyterLab from .venv (127.0.0.1, token) driven through the
@@ -84,10 +87,16 @@ browser: $(STAMP)
 	@mkdir -p build && $(PY) tests/browser/chromium.py --provide > build/chromium-path
 	GACCUM_CHROMIUM="$$(cat build/chromium-path)" $(PY) -m pytest tests/browser -q --tb=short -p no:cacheprovider
 
-# The lessons as a static site that works offline: executes every notebook (widgets keep their
-# last state), renders build/site/index.html and one page per notebook, then checks the result.
+# The lessons as a static site that works offline: renders build/site/index.html and one page per
+# notebook from the outputs `make notebooks` left in build/executed (widgets keep their last state),
+# or, when those are missing or older than a notebook or the library, executes the notebooks first.
 html: $(STAMP)
-	$(PY) scripts/build_site.py --out build/site --jobs $(if $(filter 0,$(NB_WORKERS)),1,$(NB_WORKERS))
+	if [ -f $(EXECUTED)/.complete ] && [ -z "$$(find notebooks gaccum_lib -newer $(EXECUTED)/.complete -name '*.ipynb' -o -newer $(EXECUTED)/.complete -name '*.py')" ]; then \
+	  echo ">> rendering the notebooks make notebooks executed ($(EXECUTED))"; \
+	  $(PY) scripts/build_site.py --out build/site --executed $(EXECUTED); \
+	else \
+	  $(PY) scripts/build_site.py --out build/site --jobs $(if $(filter 0,$(NB_WORKERS)),1,$(NB_WORKERS)); \
+	fi
 	GACCUM_SITE=build/site $(PY) -m pytest tests/test_site.py -q -p no:cacheprovider
 
 # Ratios and counts measured in one run; the results are committed and shown by notebook 07 and the README.
