@@ -175,7 +175,7 @@ def _check_processes(step, make_model, make_optimizer, micro_batches, loss_fn, n
         ratio = float(user_grad @ g_ref) / float(g_ref @ g_ref)
         norm = float(np.linalg.norm(user_grad))
         cosine = float(user_grad @ g_ref) / (norm * float(np.linalg.norm(g_ref))) if norm > 0 else 0.0
-        first_failed = _distance(user_grad, g_ref, 1e-300) > grad_allowed or window_dist[0] > allowed[0]
+        first_failed = grad_dist > grad_allowed or window_dist[0] > allowed[0]
     else:
         grad_dist, ratio, cosine = float("inf") if user_grad is not None else float("nan"), float("nan"), float("nan")
         first_failed = True
