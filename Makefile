@@ -40,17 +40,21 @@ env: $(STAMP)
 # Rebuilt only when the pins or the package metadata change: a second `make lab` installs nothing.
 # This machine's pip.conf names index folders that do not exist; drop pip's warning about each.
 QUIET_PIP := sed -u '/is ignored: it is neither a file nor a directory/d'
+# --no-compile: pip would byte-compile every installed module (275 MiB of .pyc, mostly for modules
+# nothing here imports); scripts/compile_imports.py then writes the .pyc of what the suite imports.
+PIP_INSTALL := $(PY) -m pip install --quiet --no-compile
 
 $(STAMP): requirements/lock.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "gaccum needs Python 3.10 or newer, found " + sys.version.split()[0])'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo ">> installing torch $(TORCH_VERSION)+$(TORCH_VARIANT) (from a local wheel if pip finds one, else $(TORCH_INDEX_URL))"
-	@$(PY) -m pip install --quiet --no-deps --no-index "torch==$(TORCH_VERSION)+$(TORCH_VARIANT)" 2>/dev/null \
-	  || $(PY) -m pip install --quiet --no-deps --index-url $(TORCH_INDEX_URL) "torch==$(TORCH_VERSION)+$(TORCH_VARIANT)" 2>&1 | $(QUIET_PIP)
+	@$(PIP_INSTALL) --no-deps --no-index "torch==$(TORCH_VERSION)+$(TORCH_VARIANT)" 2>/dev/null \
+	  || $(PIP_INSTALL) --no-deps --index-url $(TORCH_INDEX_URL) "torch==$(TORCH_VERSION)+$(TORCH_VARIANT)" 2>&1 | $(QUIET_PIP)
 	@echo ">> installing the pinned dependencies (requirements/lock.txt)"
-	@$(PY) -m pip install --quiet -r requirements/lock.txt 2>&1 | $(QUIET_PIP)
-	@$(PY) -m pip install --quiet --no-deps -e . 2>&1 | $(QUIET_PIP)
+	@$(PIP_INSTALL) -r requirements/lock.txt 2>&1 | $(QUIET_PIP)
+	@$(PIP_INSTALL) --no-deps -e . 2>&1 | $(QUIET_PIP)
 	@$(PY) -m pip check
+	@$(PY) scripts/compile_imports.py
 	@touch $(STAMP)
 
 lab: $(STAMP)

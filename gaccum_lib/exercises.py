@@ -231,6 +231,44 @@ def _scheduler_steps_three_processes(answer) -> Feedback:
     return Feedback(False, "not quite: N x ceil(ceil(L / N) / GA) per epoch, with L = 1000, GA = 8, N = 3")
 
 
+def _gpt2_trainer_fraction(answer) -> Feedback:
+    """08.1: rows of 50 tokens, counted before the shift: each update is 49/50 of the per-token one."""
+    answer = float(answer)
+    labels, targets = 8 * 50, 8 * 49
+    if abs(answer - targets / labels) < 1e-3:
+        return Feedback(True, f"correct! {targets} targets / {labels} labels = {targets / labels:.2f}: "
+                              "one row in fifty tokens' worth of update lost")
+    if abs(answer - labels / targets) < 1e-3:
+        return Feedback(False, "not quite: that is labels / targets; the Trainer divides by the larger count, "
+                               "so the update is shorter, not longer")
+    return Feedback(False, "not quite: the Trainer divides by the labels (50 per row), the loss sums over "
+                           "the targets after the shift (49 per row)")
+
+
+def _trainer_counts_after_shift(answer) -> Feedback:
+    """08.2: the learner's fix, judged by the count a real Trainer takes for a GPT-2 window."""
+    import tempfile
+
+    from transformers import Trainer, TrainingArguments
+
+    from .real_stack import collate, targets_after_shift, tiny_causal_lm, variable_length_rows
+
+    if not callable(answer):
+        raise TypeError(f"give your function itself, my_trainer_fix(model), not a {type(answer).__name__}")
+    model = answer(tiny_causal_lm("gpt2"))
+    if model is None:
+        return Feedback(False, "not quite: my_trainer_fix must return the model")
+    rows = variable_length_rows(16)
+    window = [collate(rows[i:i + 2]) for i in range(0, 16, 2)]
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="gaccum-08-"), use_cpu=True, report_to="none")
+    _, count = Trainer(model=model, args=args, data_collator=collate).get_batch_samples(iter(window), 8, "cpu")
+    targets = sum(targets_after_shift(batch) for batch in window)
+    if int(count) == targets:
+        return Feedback(True, f"correct! the Trainer now counts {targets} targets after the shift")
+    return Feedback(False, f"not quite: the Trainer counts {int(count)}, the loss averages over {targets}; "
+                           "hint: which attribute does the Trainer read to decide whether the loss shifts?")
+
+
 CHECKS = {
     "00.2": _unscaled_factor,
     "01.1": _equal_split_exact,
@@ -244,6 +282,8 @@ CHECKS = {
     "06.2": _missing_zero_grad_label,
     "07.2": _allreduce_ratio_directions,
     "07.3": _allreduce_ms,
+    "08.1": _gpt2_trainer_fraction,
+    "08.2": _trainer_counts_after_shift,
     "09.1": _scheduler_steps_three_processes,
 }
 

@@ -42,6 +42,10 @@ LESSONS = (
     Lesson("07_benchmarks.ipynb", "What it costs and saves, measured",
            "Saved make-bench results: token normalisation's cost, no_sync's saving, flat memory, speeds.",
            "about 8 s"),
+    Lesson("08_your_real_stack.ipynb", "Your real stack: transformers, the Trainer, AdamW, bf16",
+           "GPT-2 and Llama from configs: naive vs num_items_in_batch (weights and logged loss); the Trainer's GA "
+           "equals its full batch on 1 and 2 real processes, but counts GPT-2's labels before the shift (0.9456 of "
+           "each update); AdamW hides a forgotten / GA, not a mean of means; bf16 gradient buffers.", "about 17 s"),
     Lesson("09_schedulers_across_processes.ipynb", "Schedulers across processes",
            "A prepared scheduler steps N times per update, measured; N x ceil(ceil(L/N)/GA) steps an epoch "
            "(128, not 125); sizing total_steps; split_batches; sync_each_batch; adjust_scheduler read as False.",

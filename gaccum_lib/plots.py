@@ -314,3 +314,54 @@ def plot_lengths(problems: dict, ax=None):
     ax.set_title("how many targets each row carries")
     ax.legend(loc="best")
     return ax
+
+
+# ----------------------------------------------------------------------------------------------
+# Lesson 08: the logged loss, the Trainer's count against row length, bf16 against GA.
+# ----------------------------------------------------------------------------------------------
+
+# Lesson 08 names its loops by what they do; they are drawn in the styles of the strategies they are.
+_LOOP_STYLES = {"full batch": "full_batch", "naive": "mean_of_means", "num_items_in_batch": "token_normalised"}
+
+
+def plot_logged_losses(logged: dict, ax=None, *, title: str = "the loss each loop logs"):
+    """The loss each loop logged at every update (``{loop name: [loss per update]}``)."""
+    ax = _axes(ax)
+    for i, (name, losses) in enumerate(logged.items()):
+        ax.plot(np.arange(1, len(losses) + 1), losses, label=name, **style_for(_LOOP_STYLES.get(name, name), i))
+    _label_update_axes(ax, "logged loss", title)
+    ax.legend(loc="best")
+    return ax
+
+
+def plot_count_error(lengths, scale: dict, ax=None):
+    """The update the Trainer makes, as a fraction of the per-token one, against the row length."""
+    ax = _axes(ax)
+    for i, (name, values) in enumerate(scale.items()):
+        ax.plot(lengths, values, label=name, markersize=8 - 2 * i, **style_for(f"count-{i}", i))
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(list(lengths)))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.set_xlabel("tokens per row")
+    ax.set_ylabel("update / per-token update")
+    ax.set_title("the Trainer's count: 1 - 1/L of the update when it counts labels")
+    ax.legend(loc="lower right")
+    return ax
+
+
+def plot_precision_vs_ga(ga_values, errors: dict, ax=None):
+    """Relative error of the accumulated gradient against float64, per buffer dtype, as GA grows."""
+    ax = _axes(ax)
+    for i, (name, values) in enumerate(errors.items()):
+        ax.plot(ga_values, values, label=f"gradients added in {name}", **style_for(f"precision-{i}", i))
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(list(ga_values)))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("accumulation steps (same 64 rows)")
+    ax.set_ylabel("gradient error vs float64")
+    ax.set_title("bf16 forward (autocast); where the gradients add up")
+    ax.legend(loc="best")
+    return ax

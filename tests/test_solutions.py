@@ -28,6 +28,7 @@ def _naive_accumulation_step(model, optimizer, micro_batches, loss_fn, ctx):
 WRONG = {"00.2": 2, "01.1": True, "01.2": 0.02, "02.1": [3, 6, 9], "03.2": [1, 2, 3, 4, 5, 6, 7, 8], "04.1": 52,
          "05.1": 3738, "05.2": 2, "05.3": _naive_accumulation_step, "06.2": "no update",
          "07.2": ("larger", "larger"), "07.3": 29.9,
+         "08.1": 50 / 49, "08.2": lambda model: model,
          "09.1": 250}  # 07.3: the slower time / GA, other work included
 
 
@@ -137,6 +138,14 @@ def _numbers_09():
             f"`ceil(1000 / 8) = {schedule.schedule_length('usual_rule', 1000, 8, 4)}` updates"]
 
 
+def _numbers_08():
+    labels, targets = 8 * 50, 8 * 49
+    assert ANSWERS["08.1"] == pytest.approx(targets / labels)
+    return [f"**{targets / labels:.2f}** (`my_fraction = {ANSWERS['08.1']}`)", f"8 x 50 = {labels} labels",
+            f"8 x 49 = {targets} targets", f"{targets} / {labels} = {targets / labels:.2f}",
+            '**`model.loss_type = "ForCausalLM"`**']
+
+
 def _numbers_03():
     import numpy as np
 
@@ -235,7 +244,8 @@ def _numbers_07():
 
 
 README_NUMBERS = {"00": _numbers_00, "01": _numbers_01, "02": _numbers_02, "03": _numbers_03, "04": _numbers_04,
-                  "05": _numbers_05, "06": _numbers_06, "07": _numbers_07, "09": _numbers_09}
+                  "05": _numbers_05, "06": _numbers_06, "07": _numbers_07, "08": _numbers_08,
+                  "09": _numbers_09}
 
 
 def test_the_readme_numbers_cover_every_lesson():

@@ -1,0 +1,52 @@
+"""Write the bytecode (.pyc) of every module the suite imports, and only of those.
+
+`make env` installs with `pip install --no-compile`: pip would otherwise byte-compile every
+module of every package, 275 MiB of .pyc of which the lessons, tests and JupyterLab import
+about a fifth (transformers alone ships hundreds of models; two are used here). Importing the
+suite's entry points with bytecode writing switched on makes Python write exactly the .pyc
+those imports need, so imports stay as fast as with pip's full compile (this matters where
+PYTHONDONTWRITEBYTECODE is set, as on CI machines: nothing would be cached later).
+
+A module imported later that is not listed here still works: it is compiled in memory when
+imported (or cached then, where bytecode writing is allowed).
+"""
+
+import importlib
+import sys
+import time
+
+sys.dont_write_bytecode = False  # overrides PYTHONDONTWRITEBYTECODE for this process
+
+MODULES = [
+    # the lessons and the library
+    "gaccum_lib", "gaccum_lib.plots", "gaccum_lib.widgets", "gaccum_lib.real_stack", "gaccum_lib.exercises",
+    "gaccum_lib.benchmarks", "torch.distributed.elastic.multiprocessing", "torch.nn.parallel",
+    "accelerate", "accelerate.utils", "matplotlib.pyplot", "matplotlib.backends.backend_agg",
+    "matplotlib_inline.backend_inline", "ipywidgets", "psutil",
+    # transformers: the Trainer and the two model families lesson 08 builds
+    "transformers", "transformers.trainer", "transformers.training_args",
+    "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
+    # JupyterLab and the kernel
+    "ipykernel.kernelapp", "ipykernel.ipkernel", "jupyter_server.serverapp", "jupyterlab.labapp",
+    # the checks: pytest and its plugins, notebook tools, the browser driver
+    "pytest", "_pytest.python", "xdist.plugin", "nbmake.pytest_plugin", "hypothesis", "nbclient", "nbformat",
+    "nbconvert", "jupytext", "playwright.sync_api",
+]
+
+
+def main() -> int:
+    start = time.perf_counter()
+    for name in MODULES:
+        importlib.import_module(name)
+    # Lazy attributes: transformers resolves these on first access, importing their modules.
+    import transformers
+
+    for attribute in ("Trainer", "TrainingArguments", "GPT2LMHeadModel", "LlamaForCausalLM", "GPT2Config",
+                      "LlamaConfig"):
+        getattr(transformers, attribute)
+    print(f">> bytecode written for {len(sys.modules)} imported modules in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
