@@ -43,6 +43,11 @@ QUIET_PIP := sed -u '/is ignored: it is neither a file nor a directory/d'
 # --no-compile: pip would byte-compile every installed module (275 MiB of .pyc, mostly for modules
 # nothing here imports); scripts/compile_imports.py then writes the .pyc of what the suite imports.
 PIP_INSTALL := $(PY) -m pip install --quiet --no-compile
+# uv installs the lock in seconds where pip takes a minute (parallel downloads, no resolver work:
+# the lock pins everything, so --no-deps, and `pip check` then proves the set consistent). Where uv
+# cannot reach an index pip can (a pip.conf mirror), pip takes over.
+UV_VERSION := 0.13.9
+UV_INSTALL := $(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps
 
 $(STAMP): requirements/lock.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "gaccum needs Python 3.10 or newer, found " + sys.version.split()[0])'
@@ -50,9 +55,10 @@ $(STAMP): requirements/lock.txt pyproject.toml
 	@echo ">> installing torch $(TORCH_VERSION)+$(TORCH_VARIANT) (from a local wheel if pip finds one, else $(TORCH_INDEX_URL))"
 	@$(PIP_INSTALL) --no-deps --no-index "torch==$(TORCH_VERSION)+$(TORCH_VARIANT)" 2>/dev/null \
 	  || $(PIP_INSTALL) --no-deps --index-url $(TORCH_INDEX_URL) "torch==$(TORCH_VERSION)+$(TORCH_VARIANT)" 2>&1 | $(QUIET_PIP)
-	@echo ">> installing the pinned dependencies (requirements/lock.txt)"
-	@$(PIP_INSTALL) -r requirements/lock.txt 2>&1 | $(QUIET_PIP)
-	@$(PIP_INSTALL) --no-deps -e . 2>&1 | $(QUIET_PIP)
+	@echo ">> installing the pinned dependencies (requirements/lock.txt) with uv $(UV_VERSION)"
+	@$(PIP_INSTALL) "uv==$(UV_VERSION)" 2>&1 | $(QUIET_PIP)
+	@$(UV_INSTALL) -r requirements/lock.txt || $(PIP_INSTALL) -r requirements/lock.txt 2>&1 | $(QUIET_PIP)
+	@$(UV_INSTALL) -e . || $(PIP_INSTALL) --no-deps -e . 2>&1 | $(QUIET_PIP)
 	@$(PY) -m pip check
 	@$(PY) scripts/compile_imports.py
 	@touch $(STAMP)
@@ -120,9 +126,11 @@ lock:
 	rm -rf build/locktools && $(PYTHON) -m venv build/locktools
 	build/locktools/bin/pip install --quiet pip-tools 2>&1 | $(QUIET_PIP)
 	echo "torch==$(TORCH_VERSION)+cpu" > build/locktools/torch.txt
-	build/locktools/bin/pip-compile --quiet --strip-extras --no-header --no-annotate --unsafe-package torch \
-	  --unsafe-package setuptools -c build/locktools/torch.txt -o build/locktools/lock.txt requirements/top-level.txt
-	{ head -n 2 requirements/lock.txt; grep -v -E '^(#|--|[[:space:]]*$$)' build/locktools/lock.txt; } > requirements/lock.tmp
+	build/locktools/bin/pip-compile --quiet --strip-extras --no-header --no-annotate --allow-unsafe --unsafe-package torch \
+	  -c build/locktools/torch.txt -o build/locktools/lock.txt requirements/top-level.txt
+# --allow-unsafe pins setuptools too: make env installs the lock with --no-deps, and torch needs a
+# newer setuptools than a fresh venv has.
+	{ head -n 2 requirements/lock.txt; grep -v -E '^(#|--|[[:space:]]*$$|torch==)' build/locktools/lock.txt; } > requirements/lock.tmp
 	mv requirements/lock.tmp requirements/lock.txt
 
 clean:
