@@ -194,6 +194,8 @@ def bench_widgets(quick: bool) -> dict:
         + [dict(num_processes=p) for p in (2, 4, 1)] + [dict(spread=s) for s in (0.0, 1.0, 0.5)]
         + [dict(micro_batch_size=m) for m in (1, 4, 2)] + [dict(epochs=e) for e in (2, 1)],
         "schedule_explorer": [dict(grad_accum_steps=g) for g in (1, 8, 4)] + [dict(num_processes=p) for p in (1, 4)],
+        "trainer_count_explorer": [dict(mean_length=n) for n in (4, 128, 20)] + [dict(grad_accum_steps=g) for g in
+                                                                                 (1, 32, 8)],
     }
     out = {}
     for name, changes in sequences.items():

@@ -343,3 +343,44 @@ def schedule_explorer(*, strict: bool = False, num_batches: int = 96, peak_lr: f
                 "epochs": _slider("epochs", 2, 1, 4)}
     return Explorer(controls, compute, draw, summarize=summarize, strict=strict, figsize=(10, 4.2),
                     title="Sizing a schedule under accumulation")
+
+
+def trainer_count_explorer(*, strict: bool = False, rows_per_micro_batch: int = 2, updates: int = 8) -> Explorer:
+    """Lesson 08: how much of each update GPT-2's Trainer count leaves, against row length, spread and GA.
+
+    The Trainer counts every label of a GPT2LMHeadModel's window (lesson 08 measures it), the loss
+    averages over the targets after the shift: each update is ``targets / labels`` of the right one.
+    """
+    from .data import corpus_lengths
+
+    def compute(mean_length, spread, grad_accum_steps):
+        rows = rows_per_micro_batch * grad_accum_steps
+        lengths = np.asarray(corpus_lengths(rows * updates, float(mean_length), float(spread)))
+        lengths = np.maximum(lengths, 2).reshape(updates, rows)  # a row needs 2 tokens to hold a target
+        labels, targets = lengths.sum(axis=1), (lengths - 1).sum(axis=1)
+        return {"fraction": targets / labels, "labels": labels, "targets": targets, "mean_length": mean_length}
+
+    def draw(result, figure):
+        ax = figure.subplots()
+        steps = np.arange(1, updates + 1)
+        ax.bar(steps, result["fraction"], color=plots.OKABE_ITO["vermillion"], alpha=0.8,
+               label="GPT2LMHeadModel, default count (labels)")
+        ax.axhline(1.0, **dict(plots.style_for("token_normalised"), marker=None),
+                   label="LlamaForCausalLM, or loss_type set (targets)")
+        ax.set_ylim(min(0.5, float(result["fraction"].min()) - 0.05), 1.02)
+        ax.set_xlabel("optimizer update")
+        ax.set_ylabel("update / per-token update")
+        ax.set_title("what the Trainer's count leaves of each update")
+        plots.legend_below(figure, ax, ncol=2)
+
+    def summarize(result):
+        fraction = result["fraction"]
+        return (f"rows of about {result['mean_length']} tokens: each update is {fraction.min():.3f} to "
+                f"{fraction.max():.3f} of the per-token one (1 - 1/L = {1 - 1 / result['mean_length']:.3f}); "
+                f"first window: {result['targets'][0]} targets, {result['labels'][0]} labels counted")
+
+    controls = {"mean_length": _slider("row length", 20, 4, 256),
+                "spread": _fslider("spread", 0.8, 0.0, 1.0, 0.1),
+                "grad_accum_steps": _slider("GA", 8, 1, 32)}
+    return Explorer(controls, compute, draw, summarize=summarize, strict=strict, figsize=(10, 4.2),
+                    title="The Trainer's count for GPT-2: row length and GA")

@@ -12,7 +12,12 @@ from matplotlib.text import Text
 from gaccum_lib import lm, plots
 from gaccum_lib.data import seed_sequences, toy_regression
 from gaccum_lib.simulate import simulate
-from gaccum_lib.widgets import regression_explorer, schedule_explorer, variable_length_explorer
+from gaccum_lib.widgets import (
+    regression_explorer,
+    schedule_explorer,
+    trainer_count_explorer,
+    variable_length_explorer,
+)
 
 SMALLEST_PT = 10
 
@@ -107,8 +112,9 @@ def test_capstone_plots_are_readable():
     assert_readable(ax.figure)
 
 
-@pytest.mark.parametrize("make", [regression_explorer, variable_length_explorer, schedule_explorer],
-                         ids=["regression", "variable_length", "schedule"])
+@pytest.mark.parametrize("make", [regression_explorer, variable_length_explorer, schedule_explorer,
+                                  trainer_count_explorer],
+                         ids=["regression", "variable_length", "schedule", "trainer_count"])
 def test_widget_figures_use_the_suite_style_whatever_the_kernel_set(make):
     # A learner (or an earlier cell) shrank every font: the widget's picture must not change.
     with matplotlib.rc_context({"font.size": 6, "xtick.labelsize": 6, "ytick.labelsize": 6,

@@ -8,6 +8,7 @@ from gaccum_lib.widgets import (
     launch_explorer,
     regression_explorer,
     schedule_explorer,
+    trainer_count_explorer,
     variable_length_explorer,
 )
 
@@ -91,6 +92,18 @@ def test_schedule_explorer_shows_the_three_sizings():
     lrs = explorer.set(num_processes=4, grad_accum_steps=4, epochs=2).result
     assert set(lrs) == {"updates", "micro_batches", "sharded_updates"}
     assert (lrs["sharded_updates"] == 0).any() and not (lrs["updates"] == 0).any()
+
+
+def test_trainer_count_explorer_is_one_minus_one_over_the_row_length():
+    explorer = trainer_count_explorer(strict=True)
+    for length in (4, 100):
+        fraction = explorer.set(mean_length=length, spread=0.0, grad_accum_steps=4).result["fraction"]
+        assert len(fraction) == 8 and np.allclose(fraction, 1 - 1 / length, rtol=0, atol=1e-12)
+    varied = explorer.set(mean_length=20, spread=1.0, grad_accum_steps=1).result["fraction"]
+    assert varied.min() < 0.95 < varied.max() < 1.0  # windows of different lengths lose different shares
+    assert "first window:" in explorer.state.summary
+    with pytest.raises(ValueError, match="mean_length"):
+        explorer.set(mean_length=1)
 
 
 @pytest.mark.real
