@@ -324,14 +324,24 @@ def plot_lengths(problems: dict, ax=None):
 _LOOP_STYLES = {"full batch": "full_batch", "naive": "mean_of_means", "num_items_in_batch": "token_normalised"}
 
 
-def plot_logged_losses(logged: dict, ax=None, *, title: str = "the loss each loop logs"):
-    """The loss each loop logged at every update (``{loop name: [loss per update]}``)."""
-    ax = _axes(ax)
+def plot_logged_losses(logged: dict, axes=None, *, reference: str = "full batch",
+                       title: str = "the loss each loop logs"):
+    """Left: the loss each loop logged at every update. Right: its gap to ``reference``'s log, where it shows."""
+    if axes is None:
+        apply_style()
+        _, axes = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
+    curves, gaps = axes
     for i, (name, losses) in enumerate(logged.items()):
-        ax.plot(np.arange(1, len(losses) + 1), losses, label=name, **style_for(_LOOP_STYLES.get(name, name), i))
-    _label_update_axes(ax, "logged loss", title)
-    ax.legend(loc="best")
-    return ax
+        style = style_for(_LOOP_STYLES.get(name, name), i)
+        updates = np.arange(1, len(losses) + 1)
+        curves.plot(updates, losses, label=name, **style)
+        if name != reference:
+            gaps.plot(updates, np.asarray(losses) - np.asarray(logged[reference]), label=name, **style)
+    gaps.axhline(0.0, color=OKABE_ITO["black"], linewidth=1)
+    _label_update_axes(curves, "logged loss", title)
+    _label_update_axes(gaps, f"logged loss - {reference}'s", f"the gap to the {reference}'s log")
+    curves.legend(loc="best")
+    return axes
 
 
 def plot_count_error(lengths, scale: dict, ax=None):
@@ -360,7 +370,7 @@ def plot_precision_vs_ga(ga_values, errors: dict, ax=None):
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
     ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_ylim(bottom=0)
-    ax.set_xlabel("accumulation steps (same 64 rows)")
+    ax.set_xlabel("accumulation steps (the same rows in every window)")
     ax.set_ylabel("gradient error vs float64")
     ax.set_title("bf16 forward (autocast); where the gradients add up")
     ax.legend(loc="best")

@@ -147,3 +147,18 @@ def test_a_legend_below_the_panels_hides_no_label(runs):
         for ax in (path, *per_weight):
             assert not legend_box.overlaps(ax.xaxis.label.get_window_extent(renderer)), (layout, ax.get_xlabel())
         plt.close(figure)
+
+
+def test_lesson_08_plots_draw_what_they_are_given():
+    logged = {"full batch": [3.9, 3.7], "naive": [3.8995, 3.71], "num_items_in_batch": [3.9, 3.7]}
+    curves, gaps = plots.plot_logged_losses(logged)
+    assert [line.get_label() for line in gaps.get_lines()[:2]] == ["naive", "num_items_in_batch"]
+    assert np.allclose(gaps.get_lines()[0].get_ydata(), [-0.0005, 0.01])
+    assert_readable(curves.figure)
+    ax = plots.plot_count_error([4, 8], {"labels": [0.75, 0.875], "targets": [1.0, 1.0]})
+    assert list(ax.get_lines()[0].get_ydata()) == [0.75, 0.875]
+    assert_readable(ax.figure)
+    ax = plots.plot_precision_vs_ga([1, 32], {"float32": [3e-3, 3e-3], "bf16": [3.4e-3, 6e-3]})
+    assert [line.get_label() for line in ax.get_lines()] == ["gradients added in float32", "gradients added in bf16"]
+    assert_readable(ax.figure)
+    plt.close("all")
