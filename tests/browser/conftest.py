@@ -14,6 +14,8 @@ Settings (environment variables):
   installs Debian's Chromium first where it can). Where none is found every test FAILS, saying
   how to get one.
   The browser is never skipped and never downloaded (no ``playwright install``).
+- The browser itself comes from pytest-playwright (``page``), launched with the two fixtures
+  below that name the executable and its flags.
 - ``GACCUM_SCREENSHOTS``: where the screenshots go (default ``build/screenshots``).
 """
 
@@ -120,29 +122,14 @@ class Lab:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
 
-def _process_table() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, start time), from /proc."""
-    table = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            table[int(stat.parent.name)] = (int(fields[1]), fields[19])
-    return table
+def _descendants(pid: int) -> list:
+    """Processes below ``pid`` (kernels run in sessions of their own, so a process-group kill misses
+    them, and so do the processes a launch cell forks)."""
+    import psutil
 
-
-def _descendants(pid: int) -> dict[int, str]:
-    """Processes below ``pid`` with their start times (kernels run in sessions of their own, so a
-    process-group kill misses them, and so do the processes a launch cell forks)."""
-    table = _process_table()
-    children = {}
-    for child, (parent, _) in table.items():
-        children.setdefault(parent, []).append(child)
-    found, todo = {}, [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found[child] = table[child][1]
-            todo.append(child)
-    return found
+    with contextlib.suppress(psutil.Error):
+        return psutil.Process(pid).children(recursive=True)
+    return []
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -158,11 +145,12 @@ def _stop(process: subprocess.Popen) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=10)
-    table = _process_table()
-    for pid, start in started.items():
-        if table.get(pid, (None, None))[1] == start:  # still the very process we saw, not a reused id
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
+    import psutil
+
+    for child in started:
+        # psutil checks that the pid still names the process it saw (same start time): a reused id is spared.
+        with contextlib.suppress(psutil.Error):
+            child.kill()
 
 
 @pytest.fixture(scope="session")
@@ -215,24 +203,18 @@ def lab(tmp_path_factory):
         _stop(process)
 
 
+# pytest-playwright launches the browser and gives each test a fresh context and page; these two
+# fixtures point it at Debian's (or the user's) Chromium, never at a downloaded one.
 @pytest.fixture(scope="session")
-def browser(tmp_path_factory):
-    """Headless Debian Chromium, launched by Playwright (never a downloaded browser)."""
-    from playwright.sync_api import sync_playwright
-
-    executable = find_chromium()
-    profile = tmp_path_factory.mktemp("chromium-profile")
+def browser_type_launch_args(browser_type_launch_args):
     as_root = os.geteuid() == 0  # Chromium's sandbox cannot run as root
-    args = [*CHROMIUM_FLAGS, *(["--no-sandbox"] if as_root else [])]
-    with sync_playwright() as playwright:
-        # A persistent context is how Playwright takes a fresh --user-data-dir of our choosing.
-        context = playwright.chromium.launch_persistent_context(
-            str(profile), executable_path=executable, headless=True, args=args,
-            viewport={"width": 1280, "height": 900}, chromium_sandbox=not as_root)
-        try:
-            yield context
-        finally:
-            context.close()
+    return {**browser_type_launch_args, "executable_path": find_chromium(), "headless": True,
+            "args": [*CHROMIUM_FLAGS, *(["--no-sandbox"] if as_root else [])], "chromium_sandbox": not as_root}
+
+
+@pytest.fixture(scope="session")
+def browser_context_args(browser_context_args):
+    return {**browser_context_args, "viewport": {"width": 1280, "height": 900}}
 
 
 def pytest_generate_tests(metafunc):

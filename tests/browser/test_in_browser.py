@@ -204,14 +204,13 @@ def _exercise_widgets(page, record: dict) -> None:
         assert not bad, f"widget output {i}: {' and '.join(done)}, and it shows {bad.group(0)!r}:\n{text[-3000:]}"
 
 
-def test_notebook_in_browser(notebook, browser, lab, results, screenshots):
+def test_notebook_in_browser(notebook, page, lab, results, screenshots):
     """`notebook` is every notebook under test (conftest.py parametrizes it)."""
     name = notebook.name
     source = json.loads(notebook.read_text())
     record = {"notebook": name}
     results.append(record)
     console_errors = []
-    page = browser.new_page()
     page.on("console", lambda m: m.type == "error" and console_errors.append(f"console: {m.text} ({m.location})"))
     page.on("pageerror", lambda e: console_errors.append(f"page error: {e}"))
     try:
@@ -251,7 +250,6 @@ def test_notebook_in_browser(notebook, browser, lab, results, screenshots):
             record["screenshot"] = str(shot)
         except Exception as exc:  # noqa: BLE001 - a failed screenshot must not hide the test's own failure
             record["screenshot"] = f"(none: {exc})"
-        page.close()
         with contextlib.suppress(OSError):  # a dead server must not hide the test's own failure
             lab.shutdown_kernels()
 
