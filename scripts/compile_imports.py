@@ -29,7 +29,7 @@ GROUPS = [
     [  # JupyterLab and the kernel; the checks: pytest and its plugins, notebook tools, the browser driver
         "ipykernel.kernelapp", "ipykernel.ipkernel", "matplotlib_inline.backend_inline", "jupyter_server.serverapp",
         "jupyterlab.labapp", "pytest", "_pytest.python", "xdist.plugin", "nbmake.pytest_plugin", "hypothesis",
-        "nbclient", "nbformat", "nbconvert", "jupytext", "playwright.sync_api",
+        "nbclient", "nbformat", "nbconvert", "jupytext", "playwright.sync_api", "pytest_playwright.pytest_playwright",
     ],
 ]
 
