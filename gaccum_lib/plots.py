@@ -95,6 +95,14 @@ def legend_below(figure, ax, ncol: int = 3) -> None:
     figure.subplots_adjust(bottom=0.26, wspace=0.3)
 
 
+def _log2_x_at(ax, ticks) -> None:
+    """A base-2 log x axis labelled at exactly ``ticks`` (GA values, row lengths), as plain numbers."""
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(list(ticks)))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+
+
 def _markevery(n: int) -> int:
     return max(1, n // 12)
 
@@ -273,10 +281,7 @@ def plot_error_vs_ga(sweeps: dict, axes=None, *, floor: float = 1e-18, rounding:
             linear.plot(sweep["ga"], sweep[s], label=f"{LABELS[s]}, {name}", markersize=7, **style)
             logarithmic.plot(sweep["ga"], np.maximum(sweep[s], floor), markersize=7, **style)
     for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(ga_values))
-        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
-        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        _log2_x_at(ax, ga_values)
         ax.set_xlabel("accumulation steps (same effective batch)")
         ax.set_ylabel("largest distance to full batch")
     logarithmic.set_yscale("log")
@@ -349,10 +354,7 @@ def plot_count_error(lengths, scale: dict, ax=None):
     ax = _axes(ax)
     for i, (name, values) in enumerate(scale.items()):
         ax.plot(lengths, values, label=name, markersize=8 - 2 * i, **style_for(f"count-{i}", i))
-    ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(list(lengths)))
-    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
-    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    _log2_x_at(ax, lengths)
     ax.set_xlabel("tokens per row")
     ax.set_ylabel("update / per-token update")
     ax.set_title("the Trainer's count: 1 - 1/L of the update when it counts labels")
@@ -365,10 +367,7 @@ def plot_precision_vs_ga(ga_values, errors: dict, ax=None):
     ax = _axes(ax)
     for i, (name, values) in enumerate(errors.items()):
         ax.plot(ga_values, values, label=f"gradients added in {name}", **style_for(f"precision-{i}", i))
-    ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(list(ga_values)))
-    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
-    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    _log2_x_at(ax, ga_values)
     ax.set_ylim(bottom=0)
     ax.set_xlabel("accumulation steps (the same rows in every window)")
     ax.set_ylabel("gradient error vs float64")
