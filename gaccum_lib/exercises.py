@@ -237,7 +237,7 @@ def _gpt2_trainer_fraction(answer) -> Feedback:
     labels, targets = 8 * 50, 8 * 49
     if abs(answer - targets / labels) < 1e-3:
         return Feedback(True, f"correct! {targets} targets / {labels} labels = {targets / labels:.2f}: "
-                              "one row in fifty tokens' worth of update lost")
+                              "a fiftieth of every update is lost")
     if abs(answer - labels / targets) < 1e-3:
         return Feedback(False, "not quite: that is labels / targets; the Trainer divides by the larger count, "
                                "so the update is shorter, not longer")

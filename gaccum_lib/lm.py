@@ -185,6 +185,11 @@ def shift_for_next_token(logits, labels):
     return logits[:, :-1], labels[:, 1:]
 
 
+def targets_after_shift(batch) -> int:
+    """What a causal LM's loss averages over: the labels after the shift (``labels[:, 1:]``) that are not -100."""
+    return int(batch["labels"][:, 1:].ne(IGNORE_INDEX).sum())
+
+
 def count_targets_before_shift(batch) -> int:
     """The mistake: count every non-padding label, forgetting that the shift removes one per row."""
     return int(batch["labels"].ne(IGNORE_INDEX).sum())
@@ -222,7 +227,7 @@ class LMProblem(Problem):
 
     def count_targets(self, batch) -> int:
         """Targets after the causal shift: each row of L characters contributes L - 1."""
-        return int(batch["labels"][:, 1:].ne(IGNORE_INDEX).sum())
+        return targets_after_shift(batch)
 
     @property
     def lengths(self) -> list[int]:
@@ -324,6 +329,6 @@ def error_vs_ga(problem: Problem, ga_values=(1, 2, 4, 8, 16), *, effective_batch
 
 __all__ = [
     "CharVocab", "LMProblem", "TinyCausalLM", "corpus_lines", "corpus_text", "count_targets_before_shift",
-    "error_vs_ga", "pack", "shift_for_next_token", "tiny_lm",
+    "error_vs_ga", "pack", "shift_for_next_token", "targets_after_shift", "tiny_lm",
     "vocabulary",
 ]

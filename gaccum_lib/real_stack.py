@@ -10,10 +10,10 @@ module only builds what they train on, so nothing here is what a learner came to
   and ``max_length`` (seeded); :func:`fixed_length_rows` cuts the text into rows of one length.
 * :func:`collate` pads a list of rows into ``input_ids`` / ``attention_mask`` / ``labels``
   (-100 on padding), the batch a causal LM's ``forward`` takes.
-* :func:`targets_after_shift` counts what a causal LM's loss averages over: one target fewer than
-  labels per row, because position t predicts label t + 1.
+* :func:`targets_after_shift` (lesson 05's, from :mod:`gaccum_lib.lm`) counts what a causal LM's
+  loss averages over: one target fewer than labels per row, because position t predicts t + 1.
 
-Importing this module imports transformers (about 2 s); :func:`quiet_transformers` silences its
+transformers is imported on first use (a few seconds); :func:`quiet_transformers` silences its
 advice-level logging so the lesson's output stays readable.
 """
 
@@ -27,7 +27,7 @@ from torch import nn
 
 from ._checks import check_choice, check_int
 from .data import IGNORE_INDEX
-from .lm import corpus_lines, corpus_text, vocabulary
+from .lm import corpus_lines, corpus_text, targets_after_shift, vocabulary
 
 MODEL_KINDS = ("gpt2", "llama")
 
@@ -106,11 +106,6 @@ def collate(rows) -> dict:
     return {"input_ids": pad(ids, batch_first=True, padding_value=0),
             "attention_mask": pad([torch.ones_like(i) for i in ids], batch_first=True, padding_value=0),
             "labels": pad(ids, batch_first=True, padding_value=IGNORE_INDEX)}
-
-
-def targets_after_shift(batch) -> int:
-    """Targets a causal LM's loss averages over: the labels after the shift (``labels[:, 1:]``) that are not -100."""
-    return int(batch["labels"][:, 1:].ne(IGNORE_INDEX).sum())
 
 
 def flat_weights(model) -> torch.Tensor:
