@@ -255,7 +255,7 @@ def machine() -> dict:
 
     import torch
 
-    from gaccum_lib.env import gpu_count
+    from gaccum_lib.launch import gpu_count
 
     return {"python": platform.python_version(), "platform": f"{platform.system()} {platform.machine()}",
             "cpu_cores": os.cpu_count(), "gpus": gpu_count(),

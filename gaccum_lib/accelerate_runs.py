@@ -23,8 +23,7 @@ import torch
 
 from ._checks import check_choice
 from .data import Problem, make_problem
-from .env import gpu_count
-from .launch import launch
+from .launch import gpu_count, launch
 from .sharding import plan_windows
 from .simulate import Trajectory, check_training_args, flat_weights
 from .strategies import accelerate_backward_loss, check_strategy

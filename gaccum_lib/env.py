@@ -8,6 +8,8 @@ import sys
 from dataclasses import dataclass
 from importlib import metadata
 
+from .launch import gpu_count
+
 PACKAGES = ("torch", "accelerate", "numpy", "matplotlib", "ipywidgets", "jupyterlab", "nbmake")
 
 
@@ -44,19 +46,6 @@ def installed_cuda_packages() -> tuple:
     """Names of installed distributions that ship CUDA (nvidia-*, triton): none on a CPU setup."""
     names = {(d.metadata["Name"] or "").lower() for d in metadata.distributions()}
     return tuple(sorted(n for n in names if n.startswith("nvidia-") or n == "triton"))
-
-
-def gpu_count() -> int:
-    """Number of CUDA devices, counted without initialising CUDA (so a later fork still works).
-
-    ``torch.cuda.is_available()`` calls ``cuInit`` (unless PYTORCH_NVML_BASED_CUDA_CHECK=1),
-    after which CUDA fails in forked children: notebook_launcher could no longer start GPU
-    processes. ``device_count()`` asks NVML first and only falls back to the CUDA runtime when
-    NVML cannot answer -- the same check Accelerate makes before it forks.
-    """
-    import torch
-
-    return torch.cuda.device_count()
 
 
 def environment() -> Environment:

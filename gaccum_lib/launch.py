@@ -43,7 +43,6 @@ from pathlib import Path
 import torch
 
 from ._checks import check_choice, check_float, check_int
-from .env import gpu_count
 
 #: Seconds a launch may run before its processes are killed (``launch(..., timeout=None)``: no limit).
 DEFAULT_TIMEOUT = 300.0
@@ -64,6 +63,17 @@ _LAUNCH_LOCK = threading.Lock()
 
 class LaunchError(RuntimeError):
     """A launched process failed; the message names the rank and includes its traceback."""
+
+
+def gpu_count() -> int:
+    """Number of CUDA devices, counted without initialising CUDA (so a later fork still works).
+
+    ``torch.cuda.is_available()`` calls ``cuInit`` (unless PYTORCH_NVML_BASED_CUDA_CHECK=1),
+    after which CUDA fails in forked children: notebook_launcher could no longer start GPU
+    processes. ``device_count()`` asks NVML first and only falls back to the CUDA runtime when
+    NVML cannot answer -- the same check Accelerate makes before it forks.
+    """
+    return torch.cuda.device_count()
 
 
 def cpu_process_limit() -> int:
