@@ -88,19 +88,9 @@ def count_allreduce_rounds(model) -> dict:
     return counter
 
 
-def accelerate_train(
-    problem_spec: dict,
-    strategy: str,
-    *,
-    grad_accum_steps: int,
-    micro_batch_size: int,
-    lr: float = 0.08,
-    epochs: int = 1,
-    sync_mode: str = "no_sync",
-    even_batches: bool = True,
-    cpu: bool | None = None,
-    verbose: bool = False,
-) -> dict:
+def accelerate_train(problem_spec: dict, strategy: str, *, grad_accum_steps: int, micro_batch_size: int,
+                     lr: float = 0.08, epochs: int = 1, sync_mode: str = "no_sync", even_batches: bool = True,
+                     cpu: bool | None = None, verbose: bool = False) -> dict:
     """Train with Accelerate in this process (one rank of a launch); return this rank's record."""
     from accelerate import Accelerator, DataLoaderConfiguration
     from accelerate.utils import InitProcessGroupKwargs
@@ -199,21 +189,9 @@ def trajectory_from_ranks(records: list[dict], *, strategy, grad_accum_steps, mi
     )
 
 
-def real_run(
-    problem: Problem,
-    strategy: str,
-    *,
-    grad_accum_steps: int,
-    micro_batch_size: int,
-    num_processes: int = 2,
-    lr: float = 0.08,
-    epochs: int = 1,
-    sync_mode: str = "no_sync",
-    even_batches: bool = True,
-    device: str = "auto",
-    verbose: bool = False,
-    timeout: float | None = 300.0,
-) -> Trajectory:
+def real_run(problem: Problem, strategy: str, *, grad_accum_steps: int, micro_batch_size: int, num_processes: int = 2,
+             lr: float = 0.08, epochs: int = 1, sync_mode: str = "no_sync", even_batches: bool = True,
+             device: str = "auto", verbose: bool = False, timeout: float | None = 300.0) -> Trajectory:
     """Launch :func:`accelerate_train` in ``num_processes`` real processes; return the combined trajectory."""
     check_strategy(strategy, allow_full_batch=False)
     check_training_args(problem, grad_accum_steps, micro_batch_size, num_processes, lr, epochs)

@@ -95,17 +95,8 @@ def check_training_args(problem, grad_accum_steps, micro_batch_size, num_process
     check_int("epochs", epochs, minimum=1, maximum=10_000)
 
 
-def simulate(
-    problem: Problem,
-    strategy: str,
-    *,
-    grad_accum_steps: int,
-    micro_batch_size: int,
-    num_processes: int = 1,
-    lr: float = 0.08,
-    epochs: int = 1,
-    even_batches: bool = True,
-) -> Trajectory:
+def simulate(problem: Problem, strategy: str, *, grad_accum_steps: int, micro_batch_size: int, num_processes: int = 1,
+             lr: float = 0.08, epochs: int = 1, even_batches: bool = True) -> Trajectory:
     """Train ``problem`` from its initial weights with ``strategy``; return the :class:`Trajectory`.
 
     One epoch is one pass over the data in order; each optimizer update consumes
