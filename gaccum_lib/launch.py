@@ -25,7 +25,7 @@ import traceback
 from pathlib import Path
 
 import torch
-from torch.multiprocessing import _prctl_pr_set_pdeathsig  # torch's own prctl call (a no-op off Linux)
+from torch.multiprocessing import _prctl_pr_set_pdeathsig, start_processes  # torch's prctl call: a no-op off Linux
 
 from ._checks import check_choice, check_float, check_int
 
@@ -198,7 +198,7 @@ def _check_this_process_can_fork(kind: str) -> None:
 
 
 def _launch_processes(function, args, world: int, backend: str, timeout) -> list:
-    from torch.multiprocessing import start_processes
+    import torch._dynamo  # noqa: F401 - a rank's first optimizer imports it (2 s): once here, not in every rank
 
     with tempfile.TemporaryDirectory(prefix="gaccum-launch-") as folder:
         context = start_processes(_rank, args=(folder, world, backend, os.getpid(), function, args),
