@@ -71,7 +71,7 @@ lab: $(STAMP)
 test: lint unit notebooks browser
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check gaccum_lib benchmarks tests scripts examples solutions notebooks
+	$(VENV)/bin/ruff check gaccum_lib gaccum_check gaccum_course benchmarks tests scripts examples solutions notebooks
 	$(PY) scripts/check_notebooks.py notebooks
 
 unit: $(STAMP)
@@ -101,7 +101,7 @@ browser: $(STAMP)
 # notebook from the outputs `make notebooks` left in build/executed (widgets keep their last state),
 # or, when those are missing or older than a notebook or the library, executes the notebooks first.
 html: $(STAMP)
-	if [ -f $(EXECUTED)/.complete ] && [ -z "$$(find notebooks gaccum_lib -newer $(EXECUTED)/.complete -name '*.ipynb' -o -newer $(EXECUTED)/.complete -name '*.py')" ]; then \
+	if [ -f $(EXECUTED)/.complete ] && [ -z "$$(find notebooks gaccum_lib gaccum_check gaccum_course -newer $(EXECUTED)/.complete -name '*.ipynb' -o -newer $(EXECUTED)/.complete -name '*.py')" ]; then \
 	  echo ">> rendering the notebooks make notebooks executed ($(EXECUTED))"; \
 	  $(PY) scripts/build_site.py --out build/site --executed $(EXECUTED); \
 	else \

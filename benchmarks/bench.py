@@ -6,7 +6,7 @@
     python benchmarks/bench.py --out results.json --plot results.png
 
 Results are committed beside this file (results.json, results.png); notebook 07 and the README
-show them through gaccum_lib.benchmarks (load, table, plot). On a GPU machine the same command
+show them through gaccum_course.benchmarks (load, table, plot). On a GPU machine the same command
 measures the GPU sections there.
 
 Every figure is a ratio or a count from this one run, so the numbers compare across
@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gaccum_lib.benchmarks import ROOT, SECTIONS, plot, table
+from gaccum_course.benchmarks import ROOT, SECTIONS, plot, table
 
 
 def _median_ms(samples):
@@ -186,7 +186,7 @@ def bench_simulator(quick: bool) -> dict:
 
 
 def bench_widgets(quick: bool) -> dict:
-    from gaccum_lib import widgets
+    from gaccum_course import widgets
 
     sequences = {
         "regression_explorer": [dict(grad_accum_steps=g) for g in (1, 2, 8, 4)] + [dict(lr=0.01), dict(epochs=5)],

@@ -8,13 +8,15 @@ The modules follow the reading order of the notebooks:
 * :mod:`~gaccum_lib.simulate` -- train with any strategy on N simulated processes
 * :mod:`~gaccum_lib.launch` / :mod:`~gaccum_lib.accelerate_runs` -- the same with real Accelerate
   in real processes
+* :mod:`~gaccum_lib.schedule`, :mod:`~gaccum_lib.memory` -- schedulers and memory under accumulation
+* :mod:`~gaccum_lib.lm`, :mod:`~gaccum_lib.real_stack` -- a character transformer; tiny GPT-2 / Llama
 
-Plots and widgets live in :mod:`gaccum_lib.plots` and :mod:`gaccum_lib.widgets` (they import
-matplotlib and ipywidgets, so they are not imported here).
+Two sibling packages stand apart from it: :mod:`gaccum_check` checks *your* loop against the
+full batch, and :mod:`gaccum_course` runs the classroom (figures, explorers, exercises, the
+lesson map, saved benchmarks, the environment report).
 """
 
 from .accelerate_runs import SYNC_MODES, accelerate_train, fresh_accelerator, real_run
-from .check import AccumulationCheckError, AccumulationReport, check_accumulation
 from .compare import cmp, fmt_weights, max_diff
 from .data import (
     IGNORE_INDEX,
@@ -27,9 +29,7 @@ from .data import (
     sequences_from_lengths,
     toy_regression,
 )
-from .env import environment
 from .launch import LaunchError, launch, reset_accelerate_state
-from .lessons import LESSONS
 from .lm import LMProblem, count_targets_before_shift, error_vs_ga, tiny_lm
 from .sharding import plan_windows, shard_batches
 from .simulate import Trajectory, compare_strategies, simulate
@@ -38,10 +38,10 @@ from .strategies import LABELS, STRATEGIES, accelerate_backward_loss, plain_back
 __version__ = "0.1.0"
 
 __all__ = [
-    "IGNORE_INDEX", "LABELS", "LESSONS", "STRATEGIES", "SYNC_MODES", "AccumulationCheckError", "AccumulationReport",
-    "LaunchError", "Problem", "Trajectory", "accelerate_backward_loss", "accelerate_train", "check_accumulation",
-    "cmp", "compare_strategies", "count_target_tokens", "environment", "fmt_weights", "fresh_accelerator", "launch",
-    "make_problem", "max_diff", "pad_and_stack", "plain_backward_loss", "plan_windows", "real_run",
-    "reset_accelerate_state", "seed_sequences", "sequence_corpus", "sequences_from_lengths", "shard_batches",
-    "simulate", "toy_regression", "LMProblem", "count_targets_before_shift", "error_vs_ga", "tiny_lm",
+    "IGNORE_INDEX", "LABELS", "LMProblem", "LaunchError", "Problem", "STRATEGIES", "SYNC_MODES", "Trajectory",
+    "accelerate_backward_loss", "accelerate_train", "cmp", "compare_strategies", "count_target_tokens",
+    "count_targets_before_shift", "error_vs_ga", "fmt_weights", "fresh_accelerator", "launch", "make_problem",
+    "max_diff", "pad_and_stack", "plain_backward_loss", "plan_windows", "real_run", "reset_accelerate_state",
+    "seed_sequences", "sequence_corpus", "sequences_from_lengths", "shard_batches", "simulate", "tiny_lm",
+    "toy_regression",
 ]

@@ -15,7 +15,7 @@ micro-batch means goes wrong.
   characters therefore has ``L - 1`` targets; :meth:`LMProblem.count_targets` counts after
   the shift, :func:`count_targets_before_shift` shows the classic mistake (one extra
   target per row).
-* :func:`error_vs_ga` measures (and :func:`gaccum_lib.plots.plot_error_vs_ga` draws) how far naive and
+* :func:`error_vs_ga` measures (and :func:`gaccum_course.plots.plot_error_vs_ga` draws) how far naive and
   token-normalised accumulation end from the full-batch run as GA grows at a fixed
   effective batch.
 * It also registers the checkers of the lesson's exercises ``"05.1"`` and ``"05.2"``

@@ -17,7 +17,7 @@ How:
    legend (recorded in the kernel while the lesson runs); an explorer's from its title, caption
    and settings; anything else names the lesson and section it sits in.
 
-The index lists the lessons of gaccum_lib.lessons.LESSONS in order (title, aim, run time), then
+The index lists the lessons of gaccum_course.lessons.LESSONS in order (title, aim, run time), then
 any notebook the map does not list yet. `make html` runs this, then tests/test_site.py on it.
 """
 
@@ -59,7 +59,7 @@ class Page:
     title: str
     aim: str
     run_time: str
-    in_map: bool        # listed in gaccum_lib.lessons.LESSONS
+    in_map: bool        # listed in gaccum_course.lessons.LESSONS
 
     @property
     def html_name(self) -> str:
@@ -77,8 +77,8 @@ def _first_heading(path: Path) -> str:
 
 
 def _lessons() -> tuple:
-    """gaccum_lib.lessons.LESSONS, read without importing the package (and torch with it)."""
-    spec = importlib.util.spec_from_file_location("_gaccum_lessons", ROOT / "gaccum_lib" / "lessons.py")
+    """gaccum_course.lessons.LESSONS, read without importing the package (and torch with it)."""
+    spec = importlib.util.spec_from_file_location("_gaccum_lessons", ROOT / "gaccum_course" / "lessons.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)

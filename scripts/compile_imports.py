@@ -20,8 +20,9 @@ from concurrent.futures import ProcessPoolExecutor
 # Two groups, imported in two processes at once (compiling is CPU-bound: two cores, half the time).
 GROUPS = [
     [  # the lessons and the library, with transformers' Trainer and the two model families lesson 08 builds
-        "gaccum_lib", "gaccum_lib.plots", "gaccum_lib.widgets", "gaccum_lib.real_stack", "gaccum_lib.exercises",
-        "gaccum_lib.benchmarks", "torch.distributed.elastic.multiprocessing", "torch.nn.parallel",
+        "gaccum_lib", "gaccum_lib.real_stack", "gaccum_check", "gaccum_course.plots", "gaccum_course.widgets",
+        "gaccum_course.exercises", "gaccum_course.benchmarks", "gaccum_course.env", "torch._dynamo",
+        "torch.multiprocessing", "torch.nn.parallel",
         "accelerate", "accelerate.utils", "matplotlib.pyplot", "matplotlib.backends.backend_agg",
         "ipywidgets", "psutil", "transformers", "transformers.trainer", "transformers.training_args",
         "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",

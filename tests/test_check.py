@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from gaccum_check import AccumulationCheckError, AccumulationReport, check_accumulation
 from gaccum_lib import count_targets_before_shift, seed_sequences, sequences_from_lengths, simulate, tiny_lm
-from gaccum_lib.check import AccumulationCheckError, AccumulationReport, check_accumulation
 
 # The seed's variable-length toy: 16 items of lengths 1..16, micro-batches of 4 items, so the
 # window is 4 micro-batches: GA=4 on 1 process, GA=2 on each of 2 processes.
@@ -559,7 +559,7 @@ def test_a_bad_all_reduce_value_is_named():
 
 
 def test_a_rank_stuck_in_user_code_times_out(monkeypatch):
-    import gaccum_lib.check.ranks as module
+    import gaccum_check.ranks as module
 
     monkeypatch.setattr(module, "COLLECTIVE_TIMEOUT_S", 0.05)
     monkeypatch.setattr(module, "JOIN_TIMEOUT_S", 5.0)

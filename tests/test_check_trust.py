@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
+from gaccum_check import check_accumulation
 from gaccum_lib import count_targets_before_shift, launch, seed_sequences, tiny_lm
-from gaccum_lib.check import check_accumulation
 
 SEQ = seed_sequences(16)
 SEQ_BATCHES = [SEQ.batch_of(ix) for ix in SEQ.micro_batch_indices(4)]

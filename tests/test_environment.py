@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from accelerate.utils.other import get_free_port
 
-from gaccum_lib import environment
-from gaccum_lib.launch import free_port
+from gaccum_course.env import environment
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,7 +78,7 @@ def test_make_lab_binds_localhost_and_never_disables_the_token():
 
 
 def test_jupyterlab_started_like_make_lab_refuses_requests_without_the_token(tmp_path):
-    port = free_port()
+    port = get_free_port()
     token = "gaccum-test-token"
     args = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ServerApp.ip=127.0.0.1",
             f"--ServerApp.port={port}", f"--IdentityProvider.token={token}",

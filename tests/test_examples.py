@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from gaccum_lib.launch import free_port
+from accelerate.utils.other import get_free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_accumulation.py"
@@ -39,21 +38,21 @@ def _check(records, stdout, expected):
 
 
 def test_torchrun_two_cpu_processes_reproduce_the_seed():
-    records, stdout = _run([str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
+    records, stdout = _run([str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(get_free_port()),
                             str(SCRIPT)])
     _check(records, stdout, [0.2117, 0.3172])
 
 
 def test_accelerate_launch_two_cpu_processes_naive():
     records, stdout = _run([str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
-                            "--main_process_port", str(free_port()), str(SCRIPT), "--strategy", "mean_of_means"])
+                            "--main_process_port", str(get_free_port()), str(SCRIPT), "--strategy", "mean_of_means"])
     _check(records, stdout, [0.1622, 0.3668])
 
 
 def test_the_readme_multi_node_line_with_two_nodes_on_this_machine():
     # The README's `torchrun --nnodes 2 --node_rank R --rdzv_endpoint HOST:PORT` line, one process per
     # "node", both nodes here on 127.0.0.1: node 0 hosts the rendezvous, node 1 joins it.
-    port = free_port()
+    port = get_free_port()
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
 
     def node(rank):

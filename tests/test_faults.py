@@ -392,7 +392,7 @@ def test_multithreaded_torch_in_the_kernel_does_not_hang_the_children():
 def _listening_ports_of_the_launcher():
     from accelerate import Accelerator
 
-    accelerator = Accelerator()
+    Accelerator()  # the process group a training function would make
     launcher = psutil.Process(os.getppid())
     return sorted({c.laddr.port for c in launcher.net_connections("tcp") if c.status == psutil.CONN_LISTEN})
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from gaccum_course.plots import plot_error_vs_ga, plot_lengths
 from gaccum_lib import IGNORE_INDEX, real_run, simulate
 from gaccum_lib.data import make_problem
 from gaccum_lib.lm import (
@@ -19,7 +20,6 @@ from gaccum_lib.lm import (
     tiny_lm,
     vocabulary,
 )
-from gaccum_lib.plots import plot_error_vs_ga, plot_lengths
 
 EXACT = 1e-6  # "equals the full batch", as everywhere in the suite
 FLOOR = 1e-12  # float64 rounding after a few updates (measured: about 1e-15)
@@ -186,7 +186,7 @@ def test_plots_draw_one_line_per_strategy_and_sweep(small):
 
 
 def test_the_exercise_checkers_accept_the_answer_and_explain_a_wrong_one():
-    from gaccum_lib.exercises import check
+    from gaccum_course.exercises import check
 
     assert check("05.1", 3674, quiet=True)
     before = check("05.1", 3738, quiet=True)

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gaccum_lib.lessons import LESSONS, lesson_table
+from gaccum_course.lessons import LESSONS, lesson_table
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKER = [sys.executable, str(ROOT / "scripts" / "check_notebooks.py")]

@@ -9,15 +9,16 @@ import pytest
 from matplotlib.colors import to_hex
 from matplotlib.text import Text
 
-from gaccum_lib import lm, plots
-from gaccum_lib.data import seed_sequences, toy_regression
-from gaccum_lib.simulate import simulate
-from gaccum_lib.widgets import (
+from gaccum_course import plots
+from gaccum_course.widgets import (
     regression_explorer,
     schedule_explorer,
     trainer_count_explorer,
     variable_length_explorer,
 )
+from gaccum_lib import lm
+from gaccum_lib.data import seed_sequences, toy_regression
+from gaccum_lib.simulate import simulate
 
 SMALLEST_PT = 10
 

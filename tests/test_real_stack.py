@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from gaccum_lib.check import check_accumulation
+from gaccum_check import check_accumulation
 from gaccum_lib.launch import launch, reset_accelerate_state
 from gaccum_lib.real_stack import (
     collate,

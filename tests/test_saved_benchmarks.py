@@ -1,6 +1,6 @@
 """benchmarks/results.json is a whole, full `make bench` run of the settings lesson 07 describes."""
 
-from gaccum_lib import benchmarks
+from gaccum_course import benchmarks
 
 
 def test_the_saved_results_are_a_full_run_of_every_section():

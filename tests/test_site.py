@@ -24,7 +24,7 @@ import nbformat
 import pytest
 from bs4 import BeautifulSoup
 
-from gaccum_lib.lessons import LESSONS
+from gaccum_course.lessons import LESSONS
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD_SITE = ROOT / "scripts" / "build_site.py"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gaccum_lib.exercises import CHECKS, check
+from gaccum_course.exercises import CHECKS, check
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "solutions"))
@@ -219,7 +219,7 @@ def _numbers_06():
 
 
 def _numbers_07():
-    from gaccum_lib import benchmarks
+    from gaccum_course import benchmarks
 
     allreduce = benchmarks.load()["allreduce"]
     ga = allreduce["grad_accum_steps"]

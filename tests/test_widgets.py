@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from gaccum_lib.widgets import (
+from gaccum_course.widgets import (
     Explorer,
     launch_explorer,
     regression_explorer,

@@ -36,8 +36,7 @@ from pathlib import Path
 
 import chromium  # this folder's finder (pytest puts the folder on sys.path)
 import pytest
-
-from gaccum_lib.launch import free_port
+from accelerate.utils.other import get_free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -172,7 +171,7 @@ def lab(tmp_path_factory):
     env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(settings), JUPYTER_PLATFORM_DIRS="1",
                **{key: str(base / name) for key, name in dirs.items()})
     token = secrets.token_hex(24)
-    port = free_port()
+    port = get_free_port()
     # Token auth on 127.0.0.1 only; no news, update check or extension manager: nothing goes online.
     command = [str(Path(sys.executable).parent / "jupyter"), "lab", "--no-browser",
                "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .._checks import check_int
+from gaccum_lib._checks import check_int
+
 from .ranks import WINDOWS, flat, flat_grads
 
 MAX_PROCESSES = 64

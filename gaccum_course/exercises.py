@@ -26,8 +26,8 @@ class Feedback:
 
 
 def _unscaled_factor(answer) -> Feedback:
-    from .data import toy_regression
-    from .simulate import simulate
+    from gaccum_lib.data import toy_regression
+    from gaccum_lib.simulate import simulate
 
     problem = toy_regression()
     forgot = simulate(problem, "sum_of_means", grad_accum_steps=4, micro_batch_size=2, lr=0.02)
@@ -39,8 +39,8 @@ def _unscaled_factor(answer) -> Feedback:
 
 
 def _equal_split_exact(answer) -> Feedback:
-    from .data import toy_regression
-    from .simulate import simulate
+    from gaccum_lib.data import toy_regression
+    from gaccum_lib.simulate import simulate
 
     problem = toy_regression()
     plain = simulate(problem, "mean_of_means", grad_accum_steps=3, micro_batch_size=3, lr=0.02)
@@ -54,8 +54,8 @@ def _equal_split_exact(answer) -> Feedback:
 
 
 def _unscaled_lr(answer) -> Feedback:
-    from .data import toy_regression
-    from .simulate import simulate
+    from gaccum_lib.data import toy_regression
+    from gaccum_lib.simulate import simulate
 
     weight = simulate(toy_regression(), "sum_of_means", grad_accum_steps=4, micro_batch_size=2,
                       lr=float(answer)).final_weights[0]
@@ -65,7 +65,7 @@ def _unscaled_lr(answer) -> Feedback:
 
 
 def _sync_points(answer) -> Feedback:
-    from .sharding import split_windows
+    from gaccum_lib.sharding import split_windows
 
     windows = split_windows(list(range(10)), 3)  # 20 points in micro-batches of 2: 10 micro-batches
     actual = list(np.cumsum([len(w) for w in windows]))
@@ -75,8 +75,8 @@ def _sync_points(answer) -> Feedback:
 
 
 def _equal_targets_order(answer) -> Feedback:
-    from .data import sequences_from_lengths
-    from .simulate import simulate
+    from gaccum_lib.data import sequences_from_lengths
+    from gaccum_lib.simulate import simulate
 
     order = [int(a) for a in answer]
     if sorted(order) != list(range(1, 9)):
@@ -91,8 +91,8 @@ def _equal_targets_order(answer) -> Feedback:
 
 
 def _rank0_count_three_processes(answer) -> Feedback:
-    from .data import seed_sequences
-    from .simulate import simulate
+    from gaccum_lib.data import seed_sequences
+    from gaccum_lib.simulate import simulate
 
     counts = simulate(seed_sequences(24), "token_normalised", grad_accum_steps=2, micro_batch_size=4,
                       num_processes=3).token_counts[0]
@@ -102,8 +102,8 @@ def _rank0_count_three_processes(answer) -> Feedback:
 
 
 def _missing_zero_grad_label(answer) -> Feedback:
-    from .check import check_accumulation
-    from .data import count_target_tokens, seed_sequences
+    from gaccum_check import check_accumulation
+    from gaccum_lib.data import count_target_tokens, seed_sequences
 
     problem = seed_sequences(16)
     batches = [problem.batch_of(ix) for ix in problem.micro_batch_indices(4)]
@@ -168,7 +168,7 @@ def _allreduce_ms(answer) -> Feedback:
 
 
 def _targets_of_64_lines(answer) -> Feedback:
-    from .lm import tiny_lm
+    from gaccum_lib.lm import tiny_lm
 
     problem = tiny_lm(64)
     right = problem.num_targets
@@ -182,8 +182,8 @@ def _targets_of_64_lines(answer) -> Feedback:
 
 
 def _missing_world_scale_factor(answer) -> Feedback:
-    from .lm import tiny_lm
-    from .simulate import simulate
+    from gaccum_lib.lm import tiny_lm
+    from gaccum_lib.simulate import simulate
 
     kwargs = dict(grad_accum_steps=2, micro_batch_size=4, num_processes=2, lr=0.5)
     problem = tiny_lm(32)
@@ -198,8 +198,8 @@ def _missing_world_scale_factor(answer) -> Feedback:
 
 def _lm_accumulation_step(answer) -> Feedback:
     """The learner's own accumulation step for the capstone LM, judged against the full batch."""
-    from .check import check_accumulation
-    from .lm import tiny_lm
+    from gaccum_check import check_accumulation
+    from gaccum_lib.lm import tiny_lm
 
     if not callable(answer):
         raise TypeError("give your function itself, my_accumulation_step(model, optimizer, micro_batches, loss_fn, "
@@ -220,7 +220,7 @@ def _lm_accumulation_step(answer) -> Feedback:
 
 
 def _scheduler_steps_three_processes(answer) -> Feedback:
-    from .schedule import schedule_length
+    from gaccum_lib.schedule import schedule_length
 
     right = schedule_length("updates", 1000, 8, 3, epochs=2)
     if int(answer) == right:
@@ -251,7 +251,7 @@ def _trainer_counts_after_shift(answer) -> Feedback:
 
     from transformers import Trainer, TrainingArguments
 
-    from .real_stack import collate, targets_after_shift, tiny_causal_lm, variable_length_rows
+    from gaccum_lib.real_stack import collate, targets_after_shift, tiny_causal_lm, variable_length_rows
 
     if not callable(answer):
         raise TypeError(f"give your function itself, my_trainer_fix(model), not a {type(answer).__name__}")

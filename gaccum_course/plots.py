@@ -130,7 +130,7 @@ def _loss_grid(spec_key, lo0, hi0, lo1, hi1, resolution):
     """Mean loss over the whole dataset on a resolution x resolution grid of the two weights."""
     from torch.func import functional_call, vmap
 
-    from .data import make_problem
+    from gaccum_lib.data import make_problem
 
     problem = make_problem(dict(spec_key))
     model = problem.make_model()
@@ -264,7 +264,7 @@ def plot_error_vs_ga(sweeps: dict, axes=None, *, floor: float = 1e-18, rounding:
     """
     import matplotlib.ticker
 
-    from .strategies import LABELS
+    from gaccum_lib.strategies import LABELS
 
     if axes is None:
         import matplotlib.pyplot as plt

@@ -25,9 +25,10 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from gaccum_lib._threads import single_thread
+from gaccum_lib.simulate import simulate
+
 from . import plots
-from ._threads import single_thread
-from .simulate import simulate
 
 DPI = 72  # a widget answers in well under 200 ms at this resolution (see `make bench`)
 
@@ -186,7 +187,7 @@ def _fslider(description, value, minimum, maximum, step, **kwargs):
 
 def regression_explorer(*, strict: bool = False) -> Explorer:
     """Lesson 1: the toy regression with and without dividing by GA, over several epochs."""
-    from .data import toy_regression
+    from gaccum_lib.data import toy_regression
 
     problem = toy_regression()
 
@@ -221,7 +222,7 @@ def regression_explorer(*, strict: bool = False) -> Explorer:
 
 def variable_length_explorer(*, strict: bool = False, num_sequences: int = 64) -> Explorer:
     """Lessons 3 and 4: naive vs token-normalised on a corpus with a length spread, N simulated ranks."""
-    from .data import sequence_corpus
+    from gaccum_lib.data import sequence_corpus
 
     def compute(grad_accum_steps, micro_batch_size, num_processes, spread, lr, epochs):
         problem = sequence_corpus(num_sequences, mean_length=8.0, spread=spread)
@@ -257,10 +258,10 @@ def variable_length_explorer(*, strict: bool = False, num_sequences: int = 64) -
 
 
 def launch_explorer(*, strict: bool = False) -> Explorer:
-    """Lesson 04: the seed's 2-process experiment for real (notebook_launcher) next to the simulator."""
-    from .accelerate_runs import real_run
-    from .data import seed_sequences
-    from .launch import choose_device, cpu_process_limit, gpu_count
+    """Lesson 04: the seed's 2-process experiment in real processes (gaccum_lib.launch) next to the simulator."""
+    from gaccum_lib.accelerate_runs import real_run
+    from gaccum_lib.data import seed_sequences
+    from gaccum_lib.launch import choose_device, cpu_process_limit, gpu_count
 
     def compute(num_processes, strategy):
         problem = seed_sequences(8 * num_processes)  # the seed sizes the data as 4 x GA x processes
@@ -303,13 +304,13 @@ def launch_explorer(*, strict: bool = False) -> Explorer:
                                                       ("naive", "mean_of_means")], value="token_normalised",
                                              description="strategy")}
     return Explorer(controls, compute, draw, summarize=summarize, strict=strict, figsize=(10, 4.2),
-                    title="A real multi-process launch (Accelerate's notebook_launcher)",
+                    title="A real multi-process launch (real Accelerate, gloo or NCCL)",
                     button="Launch for real", busy="launching processes... (about a second each time)")
 
 
 def schedule_explorer(*, strict: bool = False, num_batches: int = 96, peak_lr: float = 0.1) -> Explorer:
     """Lesson 09: the learning rate of each update with a linear decay sized three ways."""
-    from . import schedule
+    from gaccum_lib import schedule
 
     def compute(grad_accum_steps, num_processes, epochs):
         return {sizing: schedule.lr_per_update(sizing, num_batches, grad_accum_steps, num_processes, epochs, peak_lr)
@@ -351,7 +352,7 @@ def trainer_count_explorer(*, strict: bool = False, rows_per_micro_batch: int = 
     The Trainer counts every label of a GPT2LMHeadModel's window (lesson 08 measures it), the loss
     averages over the targets after the shift: each update is ``targets / labels`` of the right one.
     """
-    from .data import corpus_lengths
+    from gaccum_lib.data import corpus_lengths
 
     def compute(mean_length, spread, grad_accum_steps):
         rows = rows_per_micro_batch * grad_accum_steps

@@ -14,8 +14,9 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from ..data import IGNORE_INDEX
-from ..strategies import plain_backward_loss
+from gaccum_lib.data import IGNORE_INDEX
+from gaccum_lib.strategies import plain_backward_loss
+
 from .ranks import processes_text
 
 # Cosine above this: the gradient points the reference's way.

@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .._checks import check_float
-from .._threads import single_thread
-from ..sharding import shard_batches
+from gaccum_lib._checks import check_float
+from gaccum_lib._threads import single_thread
+from gaccum_lib.sharding import shard_batches
+
 from . import diagnoses
 from .ranks import WINDOWS, AccumulationCheckError, PlainSGD, StepContext, processes_text, run_ranks
 from .reference import (

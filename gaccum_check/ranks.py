@@ -24,7 +24,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ..simulate import mean_over_ranks
+from gaccum_lib.simulate import mean_over_ranks
 
 # The user's step runs for two windows in a row: one window cannot show that gradients (or
 # any other state) leak from one optimizer update into the next.

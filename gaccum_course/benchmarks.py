@@ -14,43 +14,54 @@ ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ("strategy_cost", "allreduce", "memory", "simulator", "widgets", "notebooks")
 
 
+def _strategy_cost(r: dict) -> list[str]:
+    return [f"strategy cost     token-normalised / naive per update: {r['token_over_naive']:.3f} "
+            f"({r['token_ms_per_update']:.2f} vs {r['naive_ms_per_update']:.2f} ms, GA {r['grad_accum_steps']})"]
+
+
+def _allreduce(r: dict) -> list[str]:
+    counts = r["allreduce_rounds_per_update"]
+    return [f"all-reduce        rounds per update: no_sync {counts['no_sync']}, without "
+            f"{counts['every_micro_batch']} (GA {r['grad_accum_steps']}); time without / with no_sync: "
+            f"{r['every_micro_batch_over_no_sync']:.2f}x ({r['gradient_mib']:.0f} MiB of gradients, {r['device']})"]
+
+
+def _memory(r: dict) -> list[str]:
+    rows = r["rows"]
+    return ["memory            effective batch " + ", ".join(str(x["effective_batch"]) for x in rows),
+            "                  big batch MiB    " + ", ".join(f"{x['big_batch_mib']:.1f}" for x in rows),
+            "                  accumulation MiB " + ", ".join(f"{x['accumulation_mib']:.1f}" for x in rows)]
+
+
+def _simulator(r: dict) -> list[str]:
+    return [f"simulator         real launch / simulator: {r['real_over_simulated']:.0f}x ({r['real_launch_ms']:.0f} "
+            f"vs {r['simulated_ms']:.1f} ms), same result to {r['same_result_max_diff']:.1e}"]
+
+
+def _widgets(r: dict) -> list[str]:
+    return [f"widget            {name}: median {w['median_ms']:.0f} ms, worst {w['worst_ms']:.0f} ms "
+            f"over {w['changes']} changes (first display {w['first_display_ms']:.0f} ms)"
+            for name, w in r.items() if isinstance(w, dict)]
+
+
+def _notebooks(r: dict) -> list[str]:
+    return [f"notebooks         bare notebook (import torch): {r['bare_notebook_s']:.1f} s under nbmake"] + [
+        f"                  {name:<36} {n['seconds']:5.1f} s = {n['times_bare']:.1f}x bare"
+        for name, n in r["notebooks"].items()]
+
+
+_SECTION_LINES = {"strategy_cost": _strategy_cost, "allreduce": _allreduce, "memory": _memory,
+                  "simulator": _simulator, "widgets": _widgets, "notebooks": _notebooks}
+
+
 def table(results: dict) -> str:
-    lines = [f"machine: {results['machine']['cpu_cores']} cores, {results['machine']['gpus']} GPUs, "
-             f"torch {results['machine']['torch']}, accelerate {results['machine']['accelerate']}"]
-    r = results.get("strategy_cost")
-    if r:
-        lines.append(f"strategy cost     token-normalised / naive per update: {r['token_over_naive']:.3f} "
-                     f"({r['token_ms_per_update']:.2f} vs {r['naive_ms_per_update']:.2f} ms, "
-                     f"GA {r['grad_accum_steps']})")
-    r = results.get("allreduce")
-    if r:
-        counts = r["allreduce_rounds_per_update"]
-        lines.append(f"all-reduce        rounds per update: no_sync {counts['no_sync']}, without "
-                     f"{counts['every_micro_batch']} (GA {r['grad_accum_steps']}); time without / with no_sync: "
-                     f"{r['every_micro_batch_over_no_sync']:.2f}x ({r['gradient_mib']:.0f} MiB of gradients, "
-                     f"{r['device']})")
-    r = results.get("memory")
-    if r:
-        row = r["rows"]
-        lines.append("memory            effective batch " + ", ".join(str(x["effective_batch"]) for x in row))
-        lines.append("                  big batch MiB    " + ", ".join(f"{x['big_batch_mib']:.1f}" for x in row))
-        lines.append("                  accumulation MiB " + ", ".join(f"{x['accumulation_mib']:.1f}" for x in row))
-    r = results.get("simulator")
-    if r:
-        lines.append(f"simulator         real launch / simulator: {r['real_over_simulated']:.0f}x "
-                     f"({r['real_launch_ms']:.0f} vs {r['simulated_ms']:.1f} ms), same result to "
-                     f"{r['same_result_max_diff']:.1e}")
-    r = results.get("widgets")
-    if r:
-        for name, w in r.items():
-            if isinstance(w, dict):
-                lines.append(f"widget            {name}: median {w['median_ms']:.0f} ms, worst {w['worst_ms']:.0f} ms "
-                             f"over {w['changes']} changes (first display {w['first_display_ms']:.0f} ms)")
-    r = results.get("notebooks")
-    if r:
-        lines.append(f"notebooks         bare notebook (import torch): {r['bare_notebook_s']:.1f} s under nbmake")
-        for name, n in r["notebooks"].items():
-            lines.append(f"                  {name:<36} {n['seconds']:5.1f} s = {n['times_bare']:.1f}x bare")
+    """The saved results as text, one block a section (sections not measured are left out)."""
+    machine = results["machine"]
+    lines = [f"machine: {machine['cpu_cores']} cores, {machine['gpus']} GPUs, "
+             f"torch {machine['torch']}, accelerate {machine['accelerate']}"]
+    for section in SECTIONS:
+        if results.get(section):
+            lines += _SECTION_LINES[section](results[section])
     return "\n".join(lines)
 
 
@@ -66,7 +77,7 @@ def plot(results: dict, path: Path | None = None):
     """Four panels: memory, widget answer times, notebook run times, cost ratios; saved if ``path``."""
     from matplotlib.figure import Figure
 
-    from gaccum_lib import plots
+    from . import plots
 
     plots.apply_style()
     fig = Figure(figsize=(13, 9), layout="constrained")

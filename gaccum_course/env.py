@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 from importlib import metadata
 
-from .launch import gpu_count
+from gaccum_lib.launch import gpu_count
 
 PACKAGES = ("torch", "accelerate", "numpy", "matplotlib", "ipywidgets", "jupyterlab", "nbmake")
 
