@@ -104,10 +104,12 @@ html: $(STAMP)
 	if [ -f $(EXECUTED)/.complete ] && [ -z "$$(find notebooks gaccum_lib gaccum_check gaccum_course -newer $(EXECUTED)/.complete -name '*.ipynb' -o -newer $(EXECUTED)/.complete -name '*.py')" ]; then \
 	  echo ">> rendering the notebooks make notebooks executed ($(EXECUTED))"; \
 	  $(PY) scripts/build_site.py --out build/site --executed $(EXECUTED); \
+	  executed=$(EXECUTED); \
 	else \
 	  $(PY) scripts/build_site.py --out build/site --jobs $(if $(filter 0,$(NB_WORKERS)),1,$(NB_WORKERS)); \
-	fi
-	GACCUM_SITE=build/site $(PY) -m pytest tests/test_site.py -q -p no:cacheprovider
+	  executed=build/site-run; \
+	fi; \
+	GACCUM_SITE=build/site GACCUM_SITE_EXECUTED=$$executed $(PY) -m pytest tests/test_site.py -q -p no:cacheprovider
 
 # Ratios and counts measured in one run; the results are committed and shown by notebook 07 and the README.
 bench: $(STAMP)
