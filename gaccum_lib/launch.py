@@ -152,11 +152,10 @@ def launch(function, args=(), *, num_processes: int = 2, device: str = "auto", q
            timeout: float | None = DEFAULT_TIMEOUT) -> list:
     """Run ``function(*args)`` in ``num_processes`` real processes; return their results by rank.
 
-    ``function`` must create its ``Accelerator`` itself (inside the launched process) and
-    return something ``torch.save`` can store. On CPU the ranks talk over gloo, on GPUs
-    (one per rank) over NCCL. Past ``timeout`` seconds (``None``: no limit) the processes
-    are killed and :class:`LaunchError` names the ranks that had not finished. A one-process
-    launch runs ``function`` in this very process, unbounded.
+    ``function`` finds the process group made (gloo on CPU, NCCL with one GPU a rank), creates
+    its ``Accelerator`` itself and returns something ``torch.save`` can store. Past ``timeout``
+    seconds (``None``: no limit) the processes are killed and :class:`LaunchError` names the
+    ranks that had not finished. A one-process launch runs ``function`` here, unbounded.
     """
     if not callable(function):
         raise TypeError(f"function must be callable, got {type(function).__name__}")

@@ -194,9 +194,10 @@ SEED_LAUNCH = textwrap.dedent("""
                                 "source": run.source}), flush=True)
 """)
 
-# Failed launches whose errors nobody keeps, then a good one. Each failed launch used to leave its
-# rendezvous store (a TCPStore server) as garbage in the kernel; a later launch's children
-# inherited it, collected it, and waited forever in its destructor: the third launch hung.
+# Failed launches whose errors nobody keeps, then a good one. Under notebook_launcher each failed
+# launch left its rendezvous store (a TCPStore server) as garbage in the kernel; a later launch's
+# children inherited it, collected it, and waited forever in its destructor: the third launch hung.
+# The file rendezvous leaves no server behind, and the ranks never collect the kernel's garbage.
 FAILURES_THEN_SEED = textwrap.dedent("""
     import sys
     from gaccum_lib import LaunchError, launch, real_run, seed_sequences
@@ -356,8 +357,8 @@ def test_a_launch_leaves_the_signal_handlers_and_the_environment_as_they_were():
     handlers = {name: signal.getsignal(getattr(signal, name)) for name in names}
     environment = dict(os.environ)
     assert launch(_rank_and_world, num_processes=2, quiet=True) == [(0, 2), (1, 2)]
-    # torchelastic installs its own handlers (Ctrl-C would raise its SignalException, SIGTERM
-    # would no longer end the process) and leaves TORCHELASTIC_SIGNALS_TO_HANDLE behind.
+    # The ranks set their variables (RANK, ACCELERATE_USE_CPU, ...) after the fork, in themselves; under
+    # notebook_launcher, torchelastic replaced these handlers and left TORCHELASTIC_SIGNALS_TO_HANDLE behind.
     assert {name: signal.getsignal(getattr(signal, name)) for name in names} == handlers
     assert dict(os.environ) == environment
 
