@@ -18,8 +18,8 @@ micro-batch means goes wrong.
 * :func:`error_vs_ga` measures (and :func:`gaccum_course.plots.plot_error_vs_ga` draws) how far naive and
   token-normalised accumulation end from the full-batch run as GA grows at a fixed
   effective batch.
-* It also registers the checkers of the lesson's exercises ``"05.1"`` and ``"05.2"``
-  (:func:`gaccum_lib.exercises.check`).
+* The checkers of the lesson's exercises ``"05.1"`` and ``"05.2"`` build on it
+  (:func:`gaccum_course.exercises.check`).
 
 Everything runs on the CPU in the calling process (nothing here touches CUDA).
 """
