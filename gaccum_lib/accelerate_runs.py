@@ -17,6 +17,7 @@ import contextlib
 import datetime
 import itertools
 import math
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -119,7 +120,7 @@ def accelerate_train(problem_spec: dict, strategy: str, *, grad_accum_steps: int
     counter = count_allreduce_rounds(model)
 
     weights = [flat_weights(accelerator.unwrap_model(model))]
-    local_counts, window_counts, losses, rounds_per_update = [], [], [], []
+    local_counts, window_counts, losses, logged_losses, rounds_per_update = [], [], [], [], []
     for _ in range(epochs):
         batches = iter(loader)
         for _update in range(math.ceil(len(loader) / grad_accum_steps)):
@@ -128,7 +129,7 @@ def accelerate_train(problem_spec: dict, strategy: str, *, grad_accum_steps: int
             local_terms = sum(problem.count_targets(b) for b in window)
             window_terms = int(accelerator.gather(torch.tensor([local_terms], device=accelerator.device)).sum())
             rounds_before = counter["rounds"]
-            loss_sum_local = 0.0
+            loss_sum_local, logged_local = 0.0, 0.0
             for i, batch in enumerate(window):
                 with _sync_context(sync_mode, accelerator, model, is_last=i == len(window) - 1):
                     loss_sum, num_terms = problem.loss_sum_and_count(model, batch)
@@ -141,11 +142,18 @@ def accelerate_train(problem_spec: dict, strategy: str, *, grad_accum_steps: int
                     else:
                         accelerator.backward(loss)
                 loss_sum_local += float(loss_sum.detach())
+                logged_local += float(loss_sum.detach()) / max(num_terms, 1)  # this micro-batch's mean
             optimizer.step()
             optimizer.zero_grad()
             window_loss = accelerator.gather(torch.tensor([loss_sum_local], dtype=torch.float64,
                                                        device=accelerator.device)).sum()
             losses.append(float(window_loss) / window_terms)
+            # What the loop itself would log: a naive loop the mean of its micro-batch means, the others sum / N.
+            if strategy == "mean_of_means":
+                means = accelerator.gather(torch.tensor([logged_local], dtype=torch.float64, device=accelerator.device))
+                logged_losses.append(float(means.sum()) / (len(window) * world))
+            else:
+                logged_losses.append(losses[-1])
             local_counts.append(local_terms)
             window_counts.append(window_terms)
             rounds_per_update.append(counter["rounds"] - rounds_before)
@@ -161,10 +169,53 @@ def accelerate_train(problem_spec: dict, strategy: str, *, grad_accum_steps: int
         "device": str(accelerator.device),
         "weights": np.stack(weights),
         "losses": np.asarray(losses),
+        "logged_losses": np.asarray(logged_losses),
         "local_counts": np.asarray(local_counts, dtype=np.int64),
         "window_counts": np.asarray(window_counts, dtype=np.int64),
         "allreduce_rounds_per_update": np.asarray(rounds_per_update, dtype=np.int64),
     }
+
+
+class UpdateRecorder:
+    """The ``on_update`` callback the lessons hand ``examples/train_causal_lm.py``'s recipe: measurement only.
+
+    Keeps, on this rank, what :func:`trajectory_from_ranks` reads: the flat weights before the first
+    update and after each one (a host copy per update: fine for these tiny models, not for a large
+    one), the logged loss, this rank's and the update's targets, the gradient norm, the learning
+    rate and the all-reduce rounds of each update (a DDP communication hook, set before the first).
+    """
+
+    def __init__(self):
+        self.record = {"weights": [], "losses": [], "local_counts": [], "window_counts": [], "grad_norms": [],
+                       "lrs": [], "allreduce_rounds_per_update": []}
+        self._counter, self._rounds_before = None, 0
+
+    def __call__(self, update, accelerator, model, stats):
+        if update == 0:
+            self._counter = count_allreduce_rounds(model)
+            self.record.update(rank=accelerator.process_index, num_processes=accelerator.num_processes,
+                               distributed_type=str(accelerator.distributed_type))
+        else:
+            record = self.record
+            record["losses"].append(float(stats["loss"]))
+            record["local_counts"].append(int(stats["local_targets"]))
+            record["window_counts"].append(int(stats["targets"]))
+            record["grad_norms"].append(None if stats["grad_norm"] is None else float(stats["grad_norm"]))
+            record["lrs"].append(float(stats["lr"]))
+            record["allreduce_rounds_per_update"].append(self._counter["rounds"] - self._rounds_before)
+        self._rounds_before = self._counter["rounds"]
+        self.record["weights"].append(flat_weights(accelerator.unwrap_model(model)))
+
+    def save(self, folder) -> Path:
+        """Write this rank's record to ``folder/rank<R>.pt`` (a launcher returns nothing: files carry it back)."""
+        path = Path(folder) / f"rank{self.record['rank']}.pt"
+        torch.save(self.record, path)
+        return path
+
+    @staticmethod
+    def load_all(folder) -> list[dict]:
+        """Every rank's saved record, rank 0 first."""
+        return [torch.load(path, weights_only=False) for path in sorted(Path(folder).glob("rank*.pt"))]
 
 
 def trajectory_from_ranks(records: list[dict], *, strategy, grad_accum_steps, micro_batch_size, lr) -> Trajectory:

@@ -115,3 +115,58 @@ def test_one_process_with_a_short_last_micro_batch():
     real, sim = _both(sequence_corpus(22), "mean_of_means", grad_accum_steps=2, micro_batch_size=4, num_processes=1)
     assert real.token_counts.tolist() == sim.token_counts.tolist()
     assert real.max_difference(sim) < 1e-6
+
+
+def test_accelerate_skips_the_update_of_a_short_window_read_ahead_under_accumulate():
+    # Pins Accelerate's behaviour that lessons 04, 05 and 06 (pitfall 16) teach: reading a short last
+    # window with islice runs the prepared loader out, its end() resets end_of_dataloader, and accumulate()
+    # never syncs that window, so the prepared optimizer skips the update and the count carries over.
+    # If this fails, Accelerate changed: update those lessons (and the take-home script's docstring).
+    settings = dict(grad_accum_steps=4, micro_batch_size=2, num_processes=2, epochs=2)
+    corpus = sequence_corpus(20)  # 5 micro-batches per rank and epoch: windows of 4 and 1
+    accumulate = real_run(corpus, "token_normalised", sync_mode="accumulate", **settings)
+    no_sync = real_run(corpus, "token_normalised", sync_mode="no_sync", **settings)
+    expected = simulate(corpus, "token_normalised", **settings)
+    moved = [bool((b != a).any()) for a, b in zip(accumulate.weights[:-1], accumulate.weights[1:], strict=True)]
+    assert moved == [True, False, False, False]
+    assert accumulate.max_difference(expected) > 0.05
+    assert no_sync.max_difference(expected) < 1e-6
+
+
+def test_the_naive_loop_logs_its_mean_of_micro_batch_means():
+    problem = seed_sequences(16)
+    naive = real_run(problem, "mean_of_means", grad_accum_steps=2, micro_batch_size=4, num_processes=2)
+    token = real_run(problem, "token_normalised", grad_accum_steps=2, micro_batch_size=4, num_processes=2)
+    rank0 = naive.extras["ranks"][0]
+    # One update on 2 ranks x 2 micro-batches of 4: the logged number is the plain mean of the 4 micro-batch means
+    batches = [problem.batch_of(ix) for ix in problem.micro_batch_indices(4)]
+    model = problem.make_model()
+    means = [float(loss.detach()) / n for loss, n in (problem.loss_sum_and_count(model, b) for b in batches)]
+    assert abs(rank0["logged_losses"][0] - np.mean(means)) < 1e-9
+    assert abs(rank0["logged_losses"][0] - rank0["losses"][0]) > 1e-4  # not the loss per target
+    assert np.array_equal(token.extras["ranks"][0]["logged_losses"], token.extras["ranks"][0]["losses"])
+
+
+def test_update_recorder_keeps_what_trajectory_from_ranks_reads(tmp_path):
+    import torch
+
+    from gaccum_lib.accelerate_runs import UpdateRecorder, fresh_accelerator, trajectory_from_ranks
+
+    accelerator = fresh_accelerator()
+    model = torch.nn.Linear(2, 1)
+    recorder = UpdateRecorder()
+    recorder(0, accelerator, model, None)
+    with torch.no_grad():
+        model.weight += 1.0
+    stats = {"loss": torch.tensor(0.5), "targets": torch.tensor(7), "local_targets": torch.tensor(7),
+             "grad_norm": torch.tensor(2.0), "lr": 0.1}
+    recorder(1, accelerator, model, stats)
+    reset_accelerate_state(quiet=True)
+    recorder.save(tmp_path)
+    [record] = UpdateRecorder.load_all(tmp_path)
+    assert record["rank"] == 0 and record["num_processes"] == 1 and record["losses"] == [0.5]
+    assert record["window_counts"] == [7] and record["grad_norms"] == [2.0] and record["lrs"] == [0.1]
+    assert record["allreduce_rounds_per_update"] == [0]  # one process: nothing to all-reduce
+    trajectory = trajectory_from_ranks([record], strategy="token_normalised", grad_accum_steps=1, micro_batch_size=1,
+                                       lr=0.1)
+    assert np.allclose(trajectory.weights[1] - trajectory.weights[0], [1.0, 1.0, 0.0])
