@@ -82,6 +82,7 @@ def test_torchrun_two_cpu_processes_equal_the_full_batch_with_a_short_last_windo
     assert check["equal"] and check["largest_weight_difference"] < 1e-6 and check["updates"] == 8
     assert check["largest_loss_difference"] < 1e-5
     assert "equals its float32 full batch" in result.stdout
+    assert "at most 8.4e-08 (mean 1.0e-09, tolerance 1e-06)" in result.stdout  # the line the README prints
     # 50 rows: 3 full updates of 16 rows and one of 2 per epoch (the short last window), every row once
     assert len(report["update_targets"]) == 8 and report["update_targets"][3] < min(report["update_targets"][:3]) / 4
     assert report["update_targets"][:4] == report["update_targets"][4:]
@@ -113,6 +114,15 @@ def test_even_batches_repeats_rows_and_the_check_says_so(tmp_path):
     rows = _load_script().demo_rows(50, vocab_size=64)
     targets = lambda indexes: sum(len(rows[i]) - 1 for i in indexes)
     assert report["update_targets"][3] == report["update_targets"][7] == targets([48, 49]) + targets([0, 1])
+
+
+@pytest.mark.real
+def test_adamw_magnifies_float32_rounding_beyond_the_sgd_check(tmp_path):
+    # What the README and --optimizer's help say: AdamW's per-weight step size turns rounding in near-zero
+    # gradients into 3e-6 differences, where SGD stays near 1e-7; the mean difference stays tiny.
+    report, _ = _run(tmp_path, _torchrun(2), "--optimizer", "adamw", "--lr", "1e-2", expect=1)
+    check = report["check"]
+    assert 1e-6 < check["largest_weight_difference"] < 1e-5 and check["mean_weight_difference"] < 1e-8
 
 
 @pytest.mark.real
