@@ -43,7 +43,7 @@ EXPECTED_FIGURES = {
                                 "rank 1: local targets 84 of 136, weights [0.2117, 0.3172]"],
     "05_capstone_language_model.ipynb": [
         "labels that are not padding: 149; targets after the shift: 146",
-        "whole corpus: 3738 targets counted before the shift, 3674 after (64 rows, one fewer each)",
+        "the 64 training rows: 3738 targets counted before the shift, 3674 after (one fewer per row)",
         "targets of the first update, rank 0 and rank 1: [521, 376] of 897",
         "accelerate (DistributedType.MULTI_CPU, 2 process(es))",
         "largest distance to the full batch, 1 process:  naive 0.2924",

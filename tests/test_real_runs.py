@@ -119,8 +119,9 @@ def test_one_process_with_a_short_last_micro_batch():
 
 def test_accelerate_skips_the_update_of_a_short_window_read_ahead_under_accumulate():
     # Pins Accelerate's behaviour that lessons 04, 05 and 06 (pitfall 16) teach: reading a short last
-    # window with islice runs the prepared loader out, its end() resets end_of_dataloader, and accumulate()
-    # never syncs that window, so the prepared optimizer skips the update and the count carries over.
+    # window with islice runs the prepared loader out, its end() unregisters it from the GradientState
+    # (whose end_of_dataloader then reads False), and accumulate() never syncs that window,
+    # so the prepared optimizer skips the update and the count carries over.
     # If this fails, Accelerate changed: update those lessons (and the take-home script's docstring).
     settings = dict(grad_accum_steps=4, micro_batch_size=2, num_processes=2, epochs=2)
     corpus = sequence_corpus(20)  # 5 micro-batches per rank and epoch: windows of 4 and 1

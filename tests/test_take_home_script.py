@@ -120,8 +120,9 @@ def test_even_batches_repeats_rows_and_the_check_says_so(tmp_path):
 def test_adamw_magnifies_float32_rounding_beyond_the_sgd_check(tmp_path):
     # What the README and --optimizer's help say: AdamW's per-weight step size turns rounding in near-zero
     # gradients into 3e-6 differences, where SGD stays near 1e-7; the mean difference stays tiny.
-    report, _ = _run(tmp_path, _torchrun(2), "--optimizer", "adamw", "--lr", "1e-2", expect=1)
+    report, result = _run(tmp_path, _torchrun(2), "--optimizer", "adamw", expect=1)  # its default lr, 0.01
     check = report["check"]
+    assert "magnifies float32 rounding" in result.stdout and "--tolerance 1e-5" in result.stdout
     assert 1e-6 < check["largest_weight_difference"] < 1e-5 and check["mean_weight_difference"] < 1e-8
 
 
@@ -146,8 +147,11 @@ def test_deepspeed_and_fsdp_are_refused_with_the_reason():
     module = _load_script()
     with pytest.raises(RuntimeError, match="steps the engine whenever `accelerator.sync_gradients` is True"):
         module.check_backend(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, num_processes=2))
-    with pytest.raises(RuntimeError, match="FSDP has not been tested with this loop"):
+    with pytest.raises(RuntimeError, match="FSDP is not supported by this loop.*against a DDP run"):
         module.check_backend(SimpleNamespace(distributed_type=DistributedType.FSDP, num_processes=2))
+    with pytest.raises(RuntimeError, match="XLA is not supported by this loop, which is written for one device and for "
+                                           "DDP. $"):
+        module.check_backend(SimpleNamespace(distributed_type=DistributedType.XLA, num_processes=8))
     module.check_backend(SimpleNamespace(distributed_type=DistributedType.NO, num_processes=1))  # no error
 
 
