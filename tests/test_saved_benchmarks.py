@@ -1,6 +1,10 @@
 """benchmarks/results.json is a whole, full `make bench` run of the settings lesson 07 describes."""
 
+import subprocess
+
 from gaccum_course import benchmarks
+
+ROOT = benchmarks.ROOT
 
 
 def test_the_saved_results_are_a_full_run_of_every_section():
@@ -19,3 +23,16 @@ def test_the_allreduce_and_memory_settings_are_the_ones_the_lesson_describes():
     assert allreduce["gradient_mib"] > 1  # megabytes per all-reduce, against one integer per all-gather
     memory = results["memory"]
     assert memory["micro_batch_size"] == 32 and memory["rows"][-1]["effective_batch"] == 16 * 32  # up to GA 16
+
+
+def test_make_bench_leaves_the_committed_results_alone():
+    # A `make bench` on a busy machine must not rewrite what lesson 07 and the README show (and `make test`
+    # checks); only `make bench-save` replaces them.
+    def commands(target):
+        dry = subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        return [line for line in dry.splitlines() if "benchmarks/bench.py" in line]
+
+    [bench] = commands("bench")
+    assert "--out build/bench/results.json" in bench and "benchmarks/results" not in bench
+    [save] = commands("bench-save")
+    assert "--out benchmarks/results.json" in save and "--plot benchmarks/results.png" in save
