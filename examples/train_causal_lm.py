@@ -221,17 +221,26 @@ def tiny_llama(vocab_size, *, seed=0, hidden_size=32, num_layers=2):
     return LlamaForCausalLM(config)
 
 
+def text_rows(path, encode, num_rows):
+    """The first `num_rows` non-empty lines of a text file, encoded; a line of fewer than 2 tokens has no target."""
+    lines = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = [list(encode(line)) for line in lines[:num_rows]]
+    kept = [row for row in rows if len(row) >= 2]
+    if not kept:
+        raise SystemExit(f"--text {path}: no line gives 2 tokens or more, so there is nothing to predict")
+    if len(kept) < len(rows) and int(os.environ.get("RANK", "0")) == 0:
+        print(f"--text: left out {len(rows) - len(kept)} line(s) of fewer than 2 tokens (no target)", file=sys.stderr)
+    return kept
+
+
 def model_and_rows(args):
     """The model, and the rows of token ids it trains on."""
-    if args.model is None:
-        model = tiny_llama(args.vocab_size, seed=args.seed)
-        if args.text is None:
-            return model, demo_rows(args.num_rows, vocab_size=args.vocab_size, seed=args.seed)
-        # Bytes as tokens (1-256; 0 stays padding) for a text of your own with the tiny model.
-        lines = [line for line in Path(args.text).read_text(encoding="utf-8").splitlines() if line.strip()]
-        if args.vocab_size < 257:
-            raise ValueError(f"--vocab_size must be at least 257 to read --text as bytes, got {args.vocab_size}")
-        return model, [[1 + b for b in line.encode("utf-8")] for line in lines[: args.num_rows]]
+    if args.model is None and args.text is None:
+        return tiny_llama(args.vocab_size, seed=args.seed), demo_rows(args.num_rows, vocab_size=args.vocab_size,
+                                                                      seed=args.seed)
+    if args.model is None:  # your text with the tiny model: bytes as tokens (1-256; 0 stays padding)
+        rows = text_rows(args.text, lambda line: [1 + b for b in line.encode("utf-8")], args.num_rows)
+        return tiny_llama(257, seed=args.seed), rows
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(args.seed)
@@ -239,8 +248,7 @@ def model_and_rows(args):
     if args.text is None:
         return model, demo_rows(args.num_rows, vocab_size=model.config.vocab_size, seed=args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    lines = [line for line in Path(args.text).read_text(encoding="utf-8").splitlines() if line.strip()]
-    return model, [tokenizer(line)["input_ids"] for line in lines[: args.num_rows]]
+    return model, text_rows(args.text, lambda line: tokenizer(line)["input_ids"], args.num_rows)
 
 
 class Progress:
@@ -285,7 +293,7 @@ def parse_args(argv=None):
     add("--mixed_precision", choices=("no", "bf16", "fp16"), default="no")
     add("--cpu", action="store_true", help="train on the CPU even where there is a GPU")
     add("--num_rows", type=int, default=50, help="rows of data (the default 50 does not divide evenly)")
-    add("--vocab_size", type=int, default=64, help="vocabulary of the tiny model")
+    add("--vocab_size", type=int, default=64, help="vocabulary of the tiny model on the demo rows (257 with --text)")
     add("--seed", type=int, default=0)
     add("--model", default=None, help="a Hugging Face causal LM (name or local folder) instead of the tiny Llama")
     add("--text", default=None, help="a text file, one training row per non-empty line")

@@ -34,10 +34,11 @@ def _load_script():
     return module
 
 
-def _run(tmp_path, launcher, *args, cpu_env=True, expect=0):
+def _run(tmp_path, launcher, *args, cpu_env=True, expect=0, mkdir=True):
     """Copy the script into an empty folder and run it there, with nothing of this repository on the path."""
     folder = tmp_path / "learner"
-    folder.mkdir()
+    if mkdir:
+        folder.mkdir()
     shutil.copy(SCRIPT, folder)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ACCELERATE_USE_CPU")}
     env["OMP_NUM_THREADS"] = "1"
@@ -234,3 +235,43 @@ def test_lesson_05s_recipe_cells_run_alone_and_train_as_the_script_does():
         losses[name] = train(module.tiny_llama(16), rows, **settings)
         reset_accelerate_state(quiet=True)
     assert len(losses["lesson"]) == 4 and losses["lesson"] == losses["script"]
+
+
+def _save_word_level_model(folder):
+    """A tiny Llama and a word-level tokenizer, saved as a Hugging Face model folder (no network)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    words = ["<pad>", "<unk>", "the", "tide", "clock", "turns", "and", "sea", "keeps", "time", "slow", "fast"]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>").save_pretrained(folder)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(words), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+
+
+@pytest.mark.real
+def test_your_own_model_folder_and_text_file_with_a_line_too_short_to_predict(tmp_path):
+    _save_word_level_model(tmp_path / "learner" / "my_model")
+    lines = ["the tide clock turns", "and the sea keeps time", "slow", "the clock turns fast and slow",
+             "the sea turns", "time keeps the tide", "fast"]
+    (tmp_path / "learner" / "lines.txt").write_text("\n".join(lines) + "\n")
+    report, result = _run(tmp_path, [sys.executable], "--model", "my_model", "--text", "lines.txt",
+                          "--grad_accum_steps", "2", "--epochs", "1", cpu_env=False, mkdir=False)
+    assert "left out 2 line(s) of fewer than 2 tokens" in result.stderr  # "slow" and "fast"
+    # 5 rows, micro-batches of 2, GA 2: one update of 4 rows and one of 1; targets = words - 1 per row
+    assert report["update_targets"] == [3 + 4 + 5 + 2, 3]
+    assert report["check"]["equal"] and report["check"]["largest_weight_difference"] < 1e-6
+
+
+@pytest.mark.real
+def test_a_text_file_with_the_tiny_model_reads_bytes(tmp_path):
+    (tmp_path / "learner").mkdir()
+    (tmp_path / "learner" / "lines.txt").write_text("a tide clock\nturns\nhé\n")
+    report, _ = _run(tmp_path, [sys.executable], "--text", "lines.txt", "--micro_batch_size", "1",
+                     "--grad_accum_steps", "3", "--epochs", "1", cpu_env=False, mkdir=False)
+    assert report["update_targets"] == [11 + 4 + 2]  # UTF-8 bytes less one per row ("é" is 2 bytes)
+    assert report["check"]["equal"]
