@@ -141,8 +141,9 @@ def accelerate_train(problem_spec: dict, strategy: str, *, grad_accum_steps: int
                             accelerator.backward(loss)
                     else:
                         accelerator.backward(loss)
-                loss_sum_local += float(loss_sum.detach())
-                logged_local += float(loss_sum.detach()) / max(num_terms, 1)  # this micro-batch's mean
+                micro_batch_loss = float(loss_sum.detach())  # read back once, used twice
+                loss_sum_local += micro_batch_loss
+                logged_local += micro_batch_loss / max(num_terms, 1)  # this micro-batch's mean
             optimizer.step()
             optimizer.zero_grad()
             window_loss = accelerator.gather(torch.tensor([loss_sum_local], dtype=torch.float64,
