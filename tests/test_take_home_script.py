@@ -11,6 +11,7 @@ import importlib.util
 import inspect
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -83,7 +84,10 @@ def test_torchrun_two_cpu_processes_equal_the_full_batch_with_a_short_last_windo
     assert check["equal"] and check["largest_weight_difference"] < 1e-6 and check["updates"] == 8
     assert check["largest_loss_difference"] < 1e-5
     assert "equals its float32 full batch" in result.stdout
-    assert "at most 8.4e-08 (mean 1.0e-09, tolerance 1e-06)" in result.stdout  # the line the README prints
+    # the line the README prints; float32 rounding differs between CPUs (8.4e-08 on one, 1.2e-07 on
+    # an AVX-512 EPYC), so the figure is checked for its size, not its last digits
+    largest, = re.findall(r"at most ([0-9.e+-]+) \(mean [0-9.e+-]+, tolerance 1e-06\)", result.stdout)
+    assert 1e-8 < float(largest) < 5e-7
     # 50 rows: 3 full updates of 16 rows and one of 2 per epoch (the short last window), every row once
     assert len(report["update_targets"]) == 8 and report["update_targets"][3] < min(report["update_targets"][:3]) / 4
     assert report["update_targets"][:4] == report["update_targets"][4:]
