@@ -24,14 +24,17 @@ LAB_PORT ?= 8888
 NB_WORKERS ?= 2
 EXECUTED := build/executed
 
-.PHONY: help env lab test lint unit notebooks browser html bench bench-save determinism strip lock clean
+.PHONY: help env lab test lint unit notebooks colab field pythons browser html bench bench-save determinism strip lock clean
 
 help:
 	@echo "make lab    - set up .venv (first time only) and start JupyterLab on http://127.0.0.1:$(LAB_PORT)"
 	@echo "make test   - set up .venv (first time only) and run lint, unit tests and every notebook (also in a browser)"
 	@echo "make html   - execute every notebook and render a static, offline site in build/site/"
+	@echo "make field  - a wheel in a fresh venv runs every lesson outside the repository; the install cell in a bare Jupyter"
+	@echo "make pythons - the unit tests and every notebook on Python 3.12 and 3.13 (PyPI's CUDA torch, about 5 GB)"
+	@echo "make colab  - the launching lessons in a kernel Accelerate takes for Colab's (part of make test)"
 	@echo "make bench  - measure what accumulation costs and saves (a few minutes); writes build/bench/results.*"
-	@echo "make bench-save - the same, and replace the committed benchmarks/results.* with this run"
+	@echo "make bench-save - the same, and replace the committed results (gaccum_course/saved/benchmarks.json, benchmarks/results.png)"
 	@echo "make determinism - run every notebook 3 times and check it prints the same numbers"
 	@echo "make strip  - remove outputs from the notebooks (the committed form)"
 	@echo "make lock   - re-resolve requirements/top-level.txt into requirements/lock.txt (pip-tools)"
@@ -51,7 +54,7 @@ UV_VERSION := 0.13.9
 UV_INSTALL := $(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps
 
 $(STAMP): requirements/lock.txt pyproject.toml
-	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "gaccum needs Python 3.10 or newer, found " + sys.version.split()[0])'
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "gaccum needs Python 3.11 or newer, found " + sys.version.split()[0])'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo ">> installing torch $(TORCH_VERSION)+$(TORCH_VARIANT) (from a local wheel if pip finds one, else $(TORCH_INDEX_URL))"
 	@$(PIP_INSTALL) --no-deps --no-index "torch==$(TORCH_VERSION)+$(TORCH_VARIANT)" 2>/dev/null \
@@ -69,14 +72,14 @@ lab: $(STAMP)
 	$(VENV)/bin/jupyter lab --no-browser --ServerApp.ip=127.0.0.1 --ServerApp.port=$(LAB_PORT) \
 	  --ServerApp.root_dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-test: lint unit notebooks browser
+test: lint unit notebooks colab browser
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check gaccum_lib gaccum_check gaccum_course benchmarks tests scripts examples solutions notebooks
 	$(PY) scripts/check_notebooks.py notebooks
 
 unit: $(STAMP)
-	$(PY) -m pytest tests -q -m "not notebooks" -p no:cacheprovider
+	$(PY) -m pytest tests -q -m "not notebooks and not colab_outputs and not field" -p no:cacheprovider
 
 # Executes copies of the notebooks (nbmake keeps their outputs there), then checks what the
 # executed outputs show: the reference figures must appear, not just the asserts pass.
@@ -88,6 +91,29 @@ notebooks: $(STAMP)
 	  $(if $(filter 0,$(NB_WORKERS)),,-n $(NB_WORKERS)) -p no:cacheprovider -q $(EXECUTED)/*.ipynb
 	touch $(EXECUTED)/.complete
 	$(PY) -m pytest tests -q -m notebooks -p no:cacheprovider
+
+# The lessons that launch processes, in kernels that Accelerate takes for Colab's (an IPython start-up
+# script changes what str(get_ipython()) says; Accelerate reads nothing else): there notebook_launcher
+# forks nothing below 2 GPUs, and the lessons must start real processes another way, same figures.
+COLAB_LESSONS := 04_many_processes 05_capstone_language_model 06_pitfalls_gallery 08_your_real_stack 09_schedulers_across_processes
+colab: $(STAMP)
+	rm -rf build/colab && mkdir -p build/colab/run build/colab/ipython/profile_default/startup
+	for lesson in $(COLAB_LESSONS); do cp notebooks/$$lesson.ipynb build/colab/run/; done
+	cp tests/colab/kernel_startup.py build/colab/ipython/profile_default/startup/
+	IPYTHONDIR=$(CURDIR)/build/colab/ipython $(PY) -m pytest --nbmake --overwrite \
+	  $(if $(filter 0,$(NB_WORKERS)),,-n $(NB_WORKERS)) -p no:cacheprovider -q build/colab/run/*.ipynb
+	$(PY) -m pytest tests -q -m colab_outputs -p no:cacheprovider
+
+# Where learners run it, outside the repository: a wheel in a fresh venv runs every lesson from another
+# folder, and a lesson's install cell sets up a venv that has only Jupyter. Several minutes and PyPI (or
+# this machine's mirror), so not part of `make test`; run it before a release.
+field: $(STAMP)
+	$(PY) -m pytest tests/test_field.py -q -m field -p no:cacheprovider
+
+# The unit tests and every notebook on Python 3.12 and 3.13 (build/py3.12, build/py3.13). PyPI's torch
+# for them is the CUDA build (about 5 GB): out of `make test`, run it before a release.
+pythons:
+	scripts/other_pythons.sh
 
 # Every notebook in a real browser: JupyterLab from .venv (127.0.0.1, token) driven through the
 # system's Chromium by Playwright -- Run All, no error output or console error, sliders redraw their
@@ -121,7 +147,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench.py --out build/bench/results.json --plot build/bench/results.png
 
 bench-save: $(STAMP)
-	$(PY) benchmarks/bench.py --out benchmarks/results.json --plot benchmarks/results.png
+	$(PY) benchmarks/bench.py --out gaccum_course/saved/benchmarks.json --plot benchmarks/results.png
 
 determinism: $(STAMP)
 	$(PY) scripts/check_determinism.py --runs 3

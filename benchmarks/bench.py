@@ -5,7 +5,8 @@
     python benchmarks/bench.py --only memory,widgets
     python benchmarks/bench.py --out results.json --plot results.png
 
-Results are committed beside this file (results.json, results.png); notebook 07 and the README
+`make bench` writes build/bench/; `make bench-save` replaces the committed results (the package
+data gaccum_course/saved/benchmarks.json, and results.png beside this file); notebook 07 and the README
 show them through gaccum_course.benchmarks (load, table, plot). On a GPU machine the same command
 measures the GPU sections there.
 
@@ -35,7 +36,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from gaccum_course.benchmarks import ROOT, SECTIONS, plot, table
+from gaccum_course.benchmarks import SECTIONS, plot, table
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository: notebooks and build/ live there
 
 
 def _median_ms(samples):
@@ -267,8 +270,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {', '.join(SECTIONS)}")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results.json")
-    parser.add_argument("--plot", type=Path, default=ROOT / "benchmarks" / "results.png")
+    parser.add_argument("--out", type=Path, default=ROOT / "build" / "bench" / "results.json")
+    parser.add_argument("--plot", type=Path, default=ROOT / "build" / "bench" / "results.png")
     args = parser.parse_args(argv)
     chosen = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = sorted(set(chosen) - set(SECTIONS))

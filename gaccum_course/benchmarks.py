@@ -1,4 +1,4 @@
-"""The saved results of `make bench` (benchmarks/results.json): load them, print them, plot them.
+"""The saved results of `make bench-save` (package data, gaccum_course/saved/benchmarks.json): load, print, plot.
 
 Lesson 07 and the README show them; the measuring itself is `benchmarks/bench.py`, outside
 the library (it is infrastructure, not something a learner needs to read).
@@ -7,10 +7,11 @@ the library (it is infrastructure, not something a learner needs to read).
 from __future__ import annotations
 
 import json
+from importlib import resources
 from pathlib import Path
 
-# The repository (results and notebooks live there; the package is installed in editable mode).
-ROOT = Path(__file__).resolve().parents[1]
+# Shipped inside the package, so a wheel installed anywhere reads the same results lesson 07 shows.
+SAVED = resources.files("gaccum_course") / "saved" / "benchmarks.json"
 SECTIONS = ("strategy_cost", "allreduce", "memory", "simulator", "widgets", "notebooks")
 
 
@@ -66,11 +67,11 @@ def table(results: dict) -> str:
 
 
 def load(path: Path | None = None) -> dict:
-    """The saved results (benchmarks/results.json by default)."""
-    path = Path(path) if path is not None else ROOT / "benchmarks" / "results.json"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: run `make bench` first")
-    return json.loads(path.read_text())
+    """The saved results (the package's copy, written by `make bench-save`), or the run at ``path``."""
+    source = Path(path) if path is not None else SAVED
+    if not source.is_file():
+        raise FileNotFoundError(f"{source} does not exist: run `make bench` first (it writes build/bench/)")
+    return json.loads(source.read_text())
 
 
 def plot(results: dict, path: Path | None = None):

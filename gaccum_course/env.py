@@ -10,7 +10,15 @@ from importlib import metadata
 
 from gaccum_lib.launch import gpu_count
 
-PACKAGES = ("torch", "accelerate", "numpy", "matplotlib", "ipywidgets", "jupyterlab", "nbmake")
+PACKAGES = ("torch", "accelerate", "transformers", "numpy", "matplotlib", "ipywidgets", "jupyterlab", "nbmake")
+
+#: The oldest release of each package the lessons run with, who needs it, and why (pyproject.toml has the same floors).
+MINIMUMS = {
+    "torch": ("2.6", "every lesson", "accelerate 1.13's own floor"),
+    "accelerate": ("1.13", "lessons 02-09", "lesson 06's pitfalls 12 and 14; get_free_port (04-09)"),
+    "transformers": ("5.10.1", "lessons 05 and 08", "the Trainer's train_sampling_strategy and Llama's count"),
+    "ipywidgets": ("8.0", "the explorers in 01-03 and 09", "the widget API they use"),
+}
 
 
 @dataclass(frozen=True)
@@ -68,3 +76,36 @@ def environment() -> Environment:
         launch_backend=backend,
         cuda_packages=installed_cuda_packages(),
     )
+
+
+def _older(version: str, minimum: str) -> bool:
+    from packaging.version import Version  # a dependency of accelerate and transformers
+
+    return Version(version) < Version(minimum)
+
+
+def readiness(env: Environment, lessons_here=None) -> tuple[list[str], list[str]]:
+    """What stops a lesson in this kernel (``problems``) and what is only worth knowing (``notes``), in words.
+
+    ``lessons_here`` is the notebook names in the lesson's folder; missing ones are a note, since
+    each lesson runs on its own (Colab and Kaggle open one at a time).
+    """
+    problems, notes = [], []
+    for name, (minimum, who, why) in MINIMUMS.items():
+        have = env.versions.get(name)
+        if have is None or _older(have, minimum):
+            found = f"{name} {have} is too old" if have else f"{name} is not installed"
+            problems.append(f"{found}: {who} need {name}>={minimum} ({why}). Install it into this kernel with "
+                            f"`%pip install '{name}>={minimum}'` and restart the kernel, or run `make env` "
+                            "in the repository.")
+    if env.cuda_build and env.gpus == 0:
+        notes.append(f"torch is a CUDA {env.cuda_build} build and no GPU is visible: the lessons run on the CPU "
+                     "(gloo processes), as they would with the smaller CPU build. Nothing to do.")
+    if lessons_here is not None:
+        from .lessons import LESSONS
+
+        missing = [lesson.notebook for lesson in LESSONS if lesson.notebook not in set(lessons_here)]
+        if missing:
+            notes.append(f"{len(missing)} of the {len(LESSONS)} lessons are not in this folder ({', '.join(missing)}): "
+                         "each runs on its own; clone the repository (or download the notebooks folder) for the rest.")
+    return problems, notes

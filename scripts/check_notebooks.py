@@ -6,7 +6,7 @@
 Policy (why): outputs are produced by `make test` / `make html`, never committed, so diffs
 stay readable and nothing stale is shown as if it were current. Every lesson opens with what
 you will learn, prerequisites and run time, ends with a summary and exercises, starts with a
-cell that explains how to get a working kernel, and asserts what its prose claims.
+cell that installs what a hosted kernel lacks (scripts/install_cell.py), and asserts what its prose claims.
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from install_cell import INSTALL_CELL  # noqa: E402 -- beside this script, not a package
 
 KEPT_METADATA = ("kernelspec", "language_info", "execution")
 OPENING = ("What you will learn", "Prerequisites", "Run time")
@@ -45,8 +48,8 @@ def problems_of(path: Path) -> list[str]:
     sources = ["".join(c.get("source", "")) for c in code]
     if not any("assert" in s for s in sources):
         found.append("no assert in any code cell: nbmake would pass it whatever it shows")
-    if not sources or "make lab" not in sources[0]:
-        found.append("the first code cell must catch a missing gaccum_lib and say to run `make lab`")
+    if not sources or sources[0] != INSTALL_CELL:
+        found.append("the first code cell must be the install cell: python scripts/install_cell.py --write notebooks")
     if not markdown or not all(h in markdown[0] for h in OPENING):
         found.append(f"the first markdown cell must name: {', '.join(OPENING)}")
     for heading in CLOSING:

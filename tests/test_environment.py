@@ -129,3 +129,45 @@ def test_gpus_are_counted_without_the_cuda_check_that_breaks_a_later_fork(monkey
     assert machine()["gpus"] == 2
     assert choose_device(2) == "gpu"
     assert not torch.cuda.is_initialized()
+
+
+def _environment_with(**changes):
+    import dataclasses
+
+    from gaccum_course.env import environment
+
+    env = environment()
+    return dataclasses.replace(env, versions={**env.versions, **changes.pop("versions", {})}, **changes)
+
+
+def test_readiness_names_each_missing_or_old_package_with_its_fix():
+    from gaccum_course.env import readiness
+
+    problems, notes = readiness(_environment_with(versions={"transformers": None, "accelerate": "1.6.0"}))
+    assert len(problems) == 2 and notes == []
+    old, missing = sorted(problems)
+    assert old.startswith("accelerate 1.6.0 is too old: lessons 02-09 need accelerate>=1.13")
+    assert "`%pip install 'accelerate>=1.13'`" in old and "`make env`" in old
+    assert missing.startswith("transformers is not installed: lessons 05 and 08 need transformers>=5.10.1")
+    assert readiness(_environment_with(versions={"accelerate": "1.13.0"}))[0] == []  # the floor itself is enough
+
+
+def test_readiness_takes_a_cuda_torch_without_a_gpu_and_a_lone_lesson_as_notes():
+    from gaccum_course.env import readiness
+
+    problems, notes = readiness(_environment_with(cuda_build="12.8", gpus=0), lessons_here=["04_many_processes.ipynb"])
+    assert problems == []
+    cuda, alone = notes
+    assert cuda.startswith("torch is a CUDA 12.8 build and no GPU is visible: the lessons run on the CPU")
+    assert alone.startswith("9 of the 10 lessons are not in this folder (00_start_here.ipynb, 01_why_accumulate")
+    assert readiness(_environment_with(), lessons_here=[f"{i:02d}" for i in range(10)])[1] != []  # names, not counts
+
+
+def test_the_floors_in_pyproject_are_the_ones_lesson_00_checks():
+    import tomllib
+
+    from gaccum_course.env import MINIMUMS
+
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    for name, (minimum, _, _) in MINIMUMS.items():
+        assert f"{name}>={minimum}" in dependencies

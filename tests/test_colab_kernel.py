@@ -1,0 +1,128 @@
+"""The launching lessons in a kernel that Accelerate takes for Colab's (`make colab` runs them first).
+
+On Colab with fewer than 2 GPUs `notebook_launcher` starts no process; the lessons must notice it
+(`gaccum_lib.hosts.notebook_launcher_forks`) and start real processes with `debug_launcher`,
+with the same figures, never a bare assertion.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STARTUP = ROOT / "tests" / "colab" / "kernel_startup.py"
+EXECUTED = Path(os.environ.get("GACCUM_COLAB_EXECUTED", ROOT / "build" / "colab" / "run"))
+LAUNCHING = ("04_many_processes.ipynb", "05_capstone_language_model.ipynb", "06_pitfalls_gallery.ipynb",
+             "08_your_real_stack.ipynb", "09_schedulers_across_processes.ipynb")
+
+
+def test_the_startup_script_makes_accelerate_see_colab_and_the_lessons_see_no_fork(monkeypatch):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from gaccum_lib import hosts
+
+    shell = InteractiveShell.instance()
+    try:
+        assert not hosts.in_colab_kernel()
+        exec(STARTUP.read_text(), {"get_ipython": lambda: shell})
+        assert "google.colab" in str(shell)  # what Accelerate's notebook_launcher reads
+        assert hosts.in_colab_kernel() and not hosts.notebook_launcher_forks()  # no GPU here
+        monkeypatch.setenv("KAGGLE_KERNEL_RUN_TYPE", "Interactive")  # Accelerate checks Kaggle first
+        assert not hosts.in_colab_kernel()
+    finally:
+        InteractiveShell.clear_instance()
+
+
+def _outputs(name):
+    cells = json.loads((EXECUTED / name).read_text())["cells"]
+    return "\n".join("".join(o.get("text", "")) for c in cells if c["cell_type"] == "code" for o in c["outputs"])
+
+
+@pytest.mark.colab_outputs
+@pytest.mark.parametrize("name", LAUNCHING)
+def test_no_launching_lesson_trains_in_the_kernel_in_a_colab_kernel(name):
+    text = _outputs(name)
+    assert "Launching training on one" not in text  # notebook_launcher's in-kernel branch never ran
+
+
+@pytest.mark.colab_outputs
+def test_lesson_04_forks_with_debug_launcher_and_prints_the_seeds_two_process_figures():
+    text = _outputs("04_many_processes.ipynb")
+    assert "notebook_launcher would not fork in this kernel: debug_launcher starts the CPU processes" in text
+    assert "rank 0: local targets 52 of 136, weights [0.2117, 0.3172]" in text
+    assert "rank 1: local targets 84 of 136, weights [0.2117, 0.3172]" in text
+
+
+@pytest.mark.colab_outputs
+def test_lesson_05_and_06_in_a_colab_kernel():
+    assert "accelerate (DistributedType.MULTI_CPU, 2 process(es))" in _outputs("05_capstone_language_model.ipynb")
+    gallery = _outputs("06_pitfalls_gallery.ipynb")
+    assert "notebook_launcher starts no process in this kernel: nothing to show here" in gallery
+    assert "gaccum_lib.launch after a reset: [0.2117, 0.3172]" in gallery
+
+
+@pytest.mark.colab_outputs
+def test_lessons_08_and_09_launch_two_processes_in_a_colab_kernel():
+    stack = _outputs("08_your_real_stack.ipynb")
+    assert "2 processes, GA 4 x 2 rows      vs 1 process, full batch: 1.7e-07   counts [278, 409]" in stack
+    schedulers = _outputs("09_schedulers_across_processes.ipynb")
+    assert "2 processes  12 batches per rank, scheduler steps after each update: [2, 4, 6]" in schedulers
+    assert "all-reduces after each update: default [1, 2, 3], sync_each_batch [4, 8, 12]" in schedulers
+
+
+_KERNEL_THAT_LAUNCHES = """
+import sys
+from pathlib import Path
+
+import torch
+
+from gaccum_lib import hosts
+
+out_dir = sys.argv[1]
+
+
+def rank_and_threads():
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    total = accelerator.reduce(torch.tensor([accelerator.process_index + 1.0]), reduction="sum")
+    torch.log_softmax(torch.randn(256, 4096), -1)  # an OpenMP kernel: a forked rank with 2 threads hangs here
+    Path(out_dir, f"rank{accelerator.process_index}").write_text(
+        f"{accelerator.num_processes} {torch.get_num_threads()} {total.item()}")
+
+
+hosts.in_colab_kernel = lambda: True  # what a Colab kernel answers
+torch.set_num_threads(2)  # a kernel's pool of 2 threads, used before the fork
+torch.log_softmax(torch.randn(256, 4096), -1)
+hosts.launch_from_notebook(rank_and_threads, num_processes=2)
+print("kernel threads after the launch:", torch.get_num_threads())
+"""
+
+
+@pytest.mark.real
+def test_launch_from_notebook_forks_with_debug_launcher_where_notebook_launcher_would_not(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # as in a kernel: the variable unset
+    kernel = subprocess.Popen([sys.executable, "-c", _KERNEL_THAT_LAUNCHES, str(tmp_path)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = kernel.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(kernel.pid, signal.SIGKILL)  # the kernel and the ranks it forked
+        pytest.fail("the launch hung: a forked rank's OpenMP team waits for threads that do not exist")
+    assert kernel.returncode == 0, stderr[-2000:]
+    assert "kernel threads after the launch: 2" in stdout  # the kernel's count is given back
+    # two ranks that saw each other (1 + 2 = 3), each with one thread
+    assert sorted(p.read_text() for p in tmp_path.iterdir()) == ["2 1 3.0", "2 1 3.0"]
+
+
+def test_launch_from_notebook_names_a_bad_process_count():
+    from gaccum_lib.hosts import launch_from_notebook
+
+    with pytest.raises(ValueError, match="num_processes"):
+        launch_from_notebook(print, num_processes=0)
