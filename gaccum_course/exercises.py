@@ -90,15 +90,15 @@ def _equal_targets_order(answer) -> Feedback:
     return Feedback(False, f"not yet: targets per micro-batch {pairs}; naive misses the full batch by {gap:.1e}")
 
 
-def _rank0_count_three_processes(answer) -> Feedback:
+def _rank1_count_four_processes(answer) -> Feedback:
     from gaccum_lib.data import seed_sequences
     from gaccum_lib.simulate import simulate
 
-    counts = simulate(seed_sequences(24), "token_normalised", grad_accum_steps=2, micro_batch_size=4,
-                      num_processes=3).token_counts[0]
-    if int(answer) == counts[0]:
+    counts = simulate(seed_sequences(32), "token_normalised", grad_accum_steps=2, micro_batch_size=4,
+                      num_processes=4).token_counts[0]
+    if int(answer) == counts[1]:
         return Feedback(True, f"correct! local counts {counts.tolist()}, {counts.sum()} in total")
-    return Feedback(False, "not quite: rank 0 gets micro-batches 0 and 3 (items 0-3 and 12-15); item i has length i+1")
+    return Feedback(False, "not quite: rank 1 gets micro-batches 1 and 5 (items 4-7 and 20-23); item i has length i+1")
 
 
 def _missing_zero_grad_label(answer) -> Feedback:
@@ -167,18 +167,18 @@ def _allreduce_ms(answer) -> Feedback:
                            "the same compute")
 
 
-def _targets_of_64_lines(answer) -> Feedback:
+def _targets_of_32_lines(answer) -> Feedback:
     from gaccum_lib.lm import tiny_lm
 
-    problem = tiny_lm(64)
+    problem = tiny_lm(32)
     right = problem.num_targets
     if int(answer) == right:
-        return Feedback(True, f"correct! {sum(problem.lengths)} characters in 64 rows, one fewer target per row: "
+        return Feedback(True, f"correct! {sum(problem.lengths)} characters in 32 rows, one fewer target per row: "
                               f"{right}")
     if int(answer) == right + len(problem):
         return Feedback(False, "not quite: that counts the labels before the shift, one target too many per row")
     return Feedback(False, "not quite: a row of L characters (its newline included) gives L - 1 targets; "
-                           "add them up over tiny_lm(64).lengths")
+                           "add them up over tiny_lm(32).lengths")
 
 
 def _missing_world_scale_factor(answer) -> Feedback:
@@ -275,8 +275,8 @@ CHECKS = {
     "01.2": _unscaled_lr,
     "02.1": _sync_points,
     "03.2": _equal_targets_order,
-    "04.1": _rank0_count_three_processes,
-    "05.1": _targets_of_64_lines,
+    "04.1": _rank1_count_four_processes,
+    "05.1": _targets_of_32_lines,
     "05.2": _missing_world_scale_factor,
     "05.3": _lm_accumulation_step,
     "06.2": _missing_zero_grad_label,

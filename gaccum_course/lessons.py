@@ -6,7 +6,20 @@ matches the notebooks on disk, so the map cannot drift from the lessons.
 
 from __future__ import annotations
 
+import json
+import math
+import re
 from dataclasses import dataclass
+from pathlib import Path
+
+# A learner's time, estimated from the notebook itself (so it follows every edit): prose read at
+# 200 words a minute, each visible code line read at 10 a minute (comments included; collapsed
+# check cells are skipped), the run time, and 5 minutes per exercise, rounded up to 5 minutes.
+# A fresh read of lessons 00-06 with the exercises took about 4.5 hours; this model gives 5.25, a little
+# longer, which is the safer side for planning a day.
+PROSE_WORDS_PER_MINUTE = 200
+CODE_LINES_PER_MINUTE = 10
+MINUTES_PER_EXERCISE = 5
 
 
 @dataclass(frozen=True)
@@ -37,7 +50,8 @@ LESSONS = (
            "A character transformer on a shipped story: targets after the shift, naive vs token-normalised on 1 "
            "and 2 real processes, the naive error growing with GA, packing hiding it.", "about 27 s"),
     Lesson("06_pitfalls_gallery.ipynb", "A gallery of pitfalls",
-           "Fifteen silent mistakes reproduced with symptom and fix; check_accumulation catches the loop-level ones.",
+           "Sixteen mistakes, most of them silent, reproduced with symptom and fix; check_accumulation catches the "
+           "loop-level ones.",
            "about 14 s"),
     Lesson("07_benchmarks.ipynb", "What it costs and saves, measured",
            "Saved make-bench results: token normalisation's cost, no_sync's saving, flat memory, speeds.",
@@ -53,8 +67,43 @@ LESSONS = (
 )
 
 
+@dataclass(frozen=True)
+class LearnerTime:
+    reading: float  # minutes: prose
+    code: float  # minutes: the visible code cells
+    exercises: int  # how many
+    run_seconds: int
+
+    @property
+    def without_exercises(self) -> int:
+        return 5 * math.ceil((self.reading + self.code + self.run_seconds / 60) / 5)
+
+    @property
+    def total(self) -> int:
+        return 5 * math.ceil((self.reading + self.code + self.run_seconds / 60
+                              + MINUTES_PER_EXERCISE * self.exercises) / 5)
+
+
+def learner_time(lesson: Lesson, folder: Path | None = None) -> LearnerTime:
+    """Estimate a learner's minutes for ``lesson`` from its notebook (see the constants above)."""
+    folder = Path(folder) if folder is not None else Path(__file__).resolve().parents[1] / "notebooks"
+    cells = json.loads((folder / lesson.notebook).read_text())["cells"]
+    prose = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    code_lines = sum(len("".join(c["source"]).splitlines()) for c in cells if c["cell_type"] == "code"
+                     and not c.get("metadata", {}).get("jupyter", {}).get("source_hidden"))
+    exercises = prose[prose.find("## Exercises"):] if "## Exercises" in prose else ""
+    return LearnerTime(reading=len(prose.split()) / PROSE_WORDS_PER_MINUTE,
+                       code=code_lines / CODE_LINES_PER_MINUTE,
+                       exercises=len(re.findall(r"^\d+\. ", exercises, re.M)),
+                       run_seconds=int(re.fullmatch(r"about (\d+) s", lesson.run_time).group(1)))
+
+
 def lesson_table() -> str:
     """The lessons as a Markdown table."""
-    rows = ["| notebook | lesson | you will learn | run time |", "|---|---|---|---|"]
-    rows += [f"| `{x.notebook}` | {x.title} | {x.aim} | {x.run_time} |" for x in LESSONS]
+    rows = ["| notebook | lesson | you will learn | run time | a learner's time (with the exercises) |",
+            "|---|---|---|---|---|"]
+    for x in LESSONS:
+        time = learner_time(x)
+        rows.append(f"| `{x.notebook}` | {x.title} | {x.aim} | {x.run_time} | "
+                    f"{time.without_exercises} min ({time.total} min) |")
     return "\n".join(rows)

@@ -29,13 +29,13 @@ ANSWERS = {
     "01.2": 0.005,                      # 0.02 / 4: the missing division moves into the learning rate
     "02.1": [3, 6, 9, 10],              # every 3rd micro-batch, and the end of the data
     "03.2": [1, 8, 2, 7, 3, 6, 4, 5],   # each pair of items holds 9 targets
-    "04.1": 68,                         # items 0-3 (1+2+3+4) and 12-15 (13+14+15+16)
-    "05.1": 3674,                       # 3738 characters in 64 rows, one target fewer per row
+    "04.1": 116,                        # items 4-7 (5+6+7+8) and 20-23 (21+22+23+24)
+    "05.1": 1803,                       # 1835 characters in 32 rows, one target fewer per row
     "05.2": 0.5,                        # DDP averages the 2 ranks' gradients: without x 2 the step halves
     "05.3": my_accumulation_step,       # summed loss x GA x processes / N, N after the shift and gathered
     "06.2": "state carried over between windows",  # a missing zero_grad shows in the second window
     "07.2": ("smaller", "larger"),      # cheaper all-reduces shrink the ratio, dearer ones grow it
-    "07.3": 25.9,                       # (250.6 - 69.1) ms / (GA - 1 = 7), from benchmarks/results.json
+    "07.3": 25.9,                       # (250.6 - 69.1) ms / (GA - 1 = 7), from gaccum_course/saved/benchmarks.json
     "08.1": 0.98,                       # 49 targets per 50 labels in every row
     "08.2": my_trainer_fix,             # loss_type = "ForCausalLM": the Trainer counts labels[..., 1:]
     "09.1": 252,                        # 2 epochs x 3 processes x ceil(ceil(1000 / 3) / 8) = 2 x 3 x 42

@@ -188,8 +188,8 @@ def test_plots_draw_one_line_per_strategy_and_sweep(small):
 def test_the_exercise_checkers_accept_the_answer_and_explain_a_wrong_one():
     from gaccum_course.exercises import check
 
-    assert check("05.1", 3674, quiet=True)
-    before = check("05.1", 3738, quiet=True)
+    assert check("05.1", 1803, quiet=True)
+    before = check("05.1", 1835, quiet=True)
     assert not before and "before the shift" in before.message
     assert not check("05.1", 3000, quiet=True)
     assert check("05.2", 0.5, quiet=True)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gaccum_course import benchmarks
 from gaccum_course.lessons import LESSONS, lesson_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +49,7 @@ def test_checker_requires_asserts_and_the_lesson_shape(tmp_path):
                      "execution_count": None}]}
     (tmp_path / "bad.ipynb").write_text(json.dumps(nb))
     out = subprocess.run([*CHECKER, str(tmp_path)], capture_output=True, text=True).stdout
-    assert "no assert" in out and "make lab" in out and "What you will learn" in out and "## Summary" in out
+    assert "no assert" in out and "install cell" in out and "What you will learn" in out and "## Summary" in out
 
 
 def test_the_lesson_map_matches_the_notebooks_on_disk():
@@ -68,7 +69,7 @@ def test_run_times_match_the_benchmark_and_the_notebooks_say_the_same():
     import math
     import re
 
-    measured = json.loads((ROOT / "benchmarks" / "results.json").read_text())["notebooks"]["notebooks"]
+    measured = benchmarks.load()["notebooks"]["notebooks"]
     for lesson in LESSONS:
         stated = int(re.fullmatch(r"about (\d+) s", lesson.run_time).group(1))
         assert abs(stated - math.ceil(measured[lesson.notebook]["seconds"])) <= 2, lesson.notebook
@@ -83,3 +84,37 @@ def test_facilitator_agenda_uses_the_measured_run_times():
                     and line.startswith("|")), None)
         assert row is not None, f"the agenda has no row for {lesson.notebook}"
         assert f"| {lesson.run_time} |" in row, row
+
+
+def test_each_lesson_states_the_learners_time_its_notebook_gives():
+    from gaccum_course.lessons import learner_time
+
+    for lesson in LESSONS:
+        time = learner_time(lesson)
+        opening = "".join(json.loads((ROOT / "notebooks" / lesson.notebook).read_text())["cells"][0]["source"])
+        assert (f"**A learner's time**: about {time.without_exercises} minutes to read and run, {time.total} with "
+                "the exercises") in opening, lesson.notebook
+
+
+def test_the_learners_time_counts_prose_visible_code_and_exercises(tmp_path):
+    from gaccum_course.lessons import Lesson, learner_time
+
+    cells = [{"cell_type": "markdown", "source": ["word " * 400 + "\n## Exercises\n1. one\n2. two\n"]},
+             {"cell_type": "code", "metadata": {}, "source": ["x = 1\n" * 30]},
+             {"cell_type": "code", "metadata": {"jupyter": {"source_hidden": True}}, "source": ["y = 2\n" * 99]}]
+    (tmp_path / "99_x.ipynb").write_text(json.dumps({"cells": cells}))
+    time = learner_time(Lesson("99_x.ipynb", "x", "x", "about 30 s"), tmp_path)
+    assert (time.exercises, time.code) == (2, 3.0)  # the collapsed cell is not read
+    assert abs(time.reading - 406 / 200) < 1e-9
+    assert (time.without_exercises, time.total) == (10, 20)  # 2.03 + 3 + 0.5 min, rounded up; + 10 of exercises
+
+
+def test_facilitator_agenda_uses_each_lessons_learner_time():
+    from gaccum_course.lessons import learner_time
+
+    guide = (ROOT / "docs" / "facilitator-guide.md").read_text()
+    for lesson in LESSONS:
+        time = learner_time(lesson)
+        rows = [line for line in guide.splitlines() if line.startswith("|")
+                and f"`{lesson.notebook.removesuffix('.ipynb')}`" in line]
+        assert rows and all(f"| {time.without_exercises} min ({time.total}) |" in row for row in rows), lesson.notebook
