@@ -6,7 +6,8 @@
 Policy (why): outputs are produced by `make test` / `make html`, never committed, so diffs
 stay readable and nothing stale is shown as if it were current. Every lesson opens with what
 you will learn, prerequisites and run time, ends with a summary and exercises, starts with a
-cell that installs what a hosted kernel lacks (scripts/install_cell.py), and asserts what its prose claims.
+cell that installs what a hosted kernel lacks (scripts/install_cell.py), keeps code cells to
+25 lines (the take-home function aside), and asserts what its prose claims.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from install_cell import INSTALL_CELL  # noqa: E402 -- beside this script, not a
 KEPT_METADATA = ("kernelspec", "language_info", "execution")
 OPENING = ("What you will learn", "Prerequisites", "Run time")
 CLOSING = ("Summary", "Exercises")
+# A lesson cell a learner can read at a glance; only the take-home function (tagged) is longer,
+# because it is meant to be copied whole into a training script.
+MAX_CODE_LINES = 25
+LONG_CELL_TAG = "take-home"
 
 
 def problems_of(path: Path) -> list[str]:
@@ -45,6 +50,12 @@ def problems_of(path: Path) -> list[str]:
             found.append(f"code cell {i} has outputs: run `make strip`")
         if cell.get("execution_count") is not None:
             found.append(f"code cell {i} has an execution count: run `make strip`")
+    for i, cell in enumerate(cells):  # counted over all cells, as JupyterLab shows them
+        lines = len("".join(cell.get("source", "")).splitlines())
+        if (cell.get("cell_type") == "code" and lines > MAX_CODE_LINES
+                and LONG_CELL_TAG not in cell.get("metadata", {}).get("tags", [])):
+            found.append(f"cell {i} has {lines} lines of code (at most {MAX_CODE_LINES} unless tagged "
+                         f"'{LONG_CELL_TAG}'): move plumbing to the library or split it")
     sources = ["".join(c.get("source", "")) for c in code]
     if not any("assert" in s for s in sources):
         found.append("no assert in any code cell: nbmake would pass it whatever it shows")

@@ -12,10 +12,11 @@ cd "$(dirname "$0")/.."
 PYTHONS=${PYTHONS:-"3.12 3.13"}
 TORCH=${TORCH:-torch==2.13.0}
 
-interpreter() {  # python<version> on the PATH, else pyenv's
-  command -v "python$1" 2>/dev/null && return
-  local root; root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
-  ls -d "$root"/versions/"$1".*/bin/python 2>/dev/null | sort -V | tail -1
+interpreter() {  # pyenv's python<version>, else one on the PATH that runs (a pyenv shim may not)
+  local root candidate; root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
+  for candidate in $(ls -d "$root"/versions/"$1".*/bin/python 2>/dev/null | sort -rV) "python$1"; do
+    "$candidate" -c '' 2>/dev/null && { command -v "$candidate"; return; }
+  done
 }
 
 for version in $PYTHONS; do

@@ -52,6 +52,20 @@ def test_checker_requires_asserts_and_the_lesson_shape(tmp_path):
     assert "no assert" in out and "install cell" in out and "What you will learn" in out and "## Summary" in out
 
 
+def test_checker_flags_a_code_cell_over_25_lines_unless_it_is_the_take_home_function(tmp_path):
+    def notebook(lines, tags):
+        cell = {"cell_type": "code", "metadata": {"tags": tags}, "source": ["x = 1\n" * lines], "outputs": [],
+                "execution_count": None}
+        return {"nbformat": 4, "nbformat_minor": 5, "metadata": {"kernelspec": {"name": "python3"}},
+                "cells": [{"cell_type": "markdown", "metadata": {}, "source": ["# x"]}, cell]}
+
+    for name, lines, tags in [("long", 26, []), ("short", 25, []), ("take_home", 60, ["take-home"])]:
+        (tmp_path / f"{name}.ipynb").write_text(json.dumps(notebook(lines, tags)))
+    out = subprocess.run([*CHECKER, str(tmp_path)], capture_output=True, text=True).stdout
+    assert "long.ipynb: cell 1 has 26 lines of code (at most 25 unless tagged 'take-home')" in out
+    assert "short.ipynb: cell" not in out and "take_home.ipynb: cell" not in out
+
+
 def test_the_lesson_map_matches_the_notebooks_on_disk():
     on_disk = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
     assert [lesson.notebook for lesson in LESSONS] == on_disk
