@@ -20,7 +20,7 @@ TORCH_VERSION := 2.13.0
 TORCH_VARIANT ?= cpu
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/$(TORCH_VARIANT)
 LAB_PORT ?= 8888
-# Notebooks run in parallel under pytest-xdist; `make test NB_WORKERS=0` runs them one by one.
+# Notebooks and unit tests run in parallel under pytest-xdist; `make test NB_WORKERS=0` runs them one by one.
 NB_WORKERS ?= 2
 EXECUTED := build/executed
 
@@ -78,8 +78,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check gaccum_lib gaccum_check gaccum_course benchmarks tests scripts examples solutions notebooks
 	$(PY) scripts/check_notebooks.py notebooks
 
+# Two workers, as for the notebooks: the real-process tests take their ports from the OS and their
+# files from tmp_path, so they run side by side (make pythons runs the same tests with -n 2).
 unit: $(STAMP)
-	$(PY) -m pytest tests -q -m "not notebooks and not colab_outputs and not field" -p no:cacheprovider
+	$(PY) -m pytest tests -q -m "not notebooks and not colab_outputs and not field" -p no:cacheprovider \
+	  $(if $(filter 0,$(NB_WORKERS)),,-n $(NB_WORKERS))
 
 # Executes copies of the notebooks (nbmake keeps their outputs there), then checks what the
 # executed outputs show: the reference figures must appear, not just the asserts pass.

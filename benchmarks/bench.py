@@ -16,6 +16,8 @@ load hits both sides alike. The JSON records the machine (cores, GPUs, versions)
 
 Sections:
   strategy_cost      per-update time of token-normalised vs naive accumulation, capstone LM
+  time_cost          per-update time of GA micro-batches vs one big batch of the same rows, capstone LM
+                     (packed rows, and one line per row with its padding)
   allreduce          all-reduce rounds per update and time with no_sync vs without, 2 real processes
   memory             peak memory of one update as the effective batch grows: big batch vs accumulation
   simulator          simulator vs a real multi-process launch for the same result (time ratio)
@@ -96,6 +98,51 @@ def bench_strategy_cost(quick: bool) -> dict:
     return {"model_parameters": sum(p.numel() for p in model.parameters()), "grad_accum_steps": grad_accum_steps,
             "micro_batch_size": micro_batch_size, "naive_ms_per_update": naive, "token_ms_per_update": token,
             "token_over_naive": token / naive}
+
+
+def bench_time_cost(quick: bool) -> dict:
+    """One update on the same 16 rows: one big batch, or GA micro-batches of 16 / GA rows each.
+
+    Accumulation does the same arithmetic in smaller pieces: what it costs is the per-call
+    overhead (GA forwards and backwards instead of one) and smaller, less efficient matrix
+    products. Measured on packed rows (all the same length, so the pieces add up to exactly the
+    big batch's work) and on the capstone's one line per row, where a big batch pads every row to
+    its longest and smaller micro-batches pad less. Token-normalised on both sides, so each GA
+    gives the big batch's gradient.
+    """
+    import torch
+
+    from gaccum_lib.lm import tiny_lm
+
+    torch.set_num_threads(1)
+    ga_values = (1, 2, 4, 8, 16)
+    out = {"rows": 16, "ga_values": list(ga_values)}
+    for key, packed in (("packed", True), ("one_line_per_row", False)):
+        problem = tiny_lm(64, dtype="float32", packed=packed)
+        rows = problem.micro_batch_indices(16)[0]  # the first 16 rows, in the loader's order
+        model = problem.make_model()
+        windows = {ga: [problem.batch_of(rows[i:i + 16 // ga]) for i in range(0, 16, 16 // ga)] for ga in ga_values}
+
+        def gradient_of(window, model=model, problem=problem):
+            total = sum(problem.count_targets(batch) for batch in window)
+            for batch in window:
+                loss_sum, _ = problem.loss_sum_and_count(model, batch)
+                (loss_sum / total).backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+            model.zero_grad(set_to_none=True)
+            return grads
+
+        reference = gradient_of(windows[1])
+        same = max(max((a - b).abs().max().item() for a, b in zip(reference, gradient_of(windows[ga]), strict=True))
+                   for ga in ga_values)
+        times = _interleaved({ga: (lambda w=windows[ga]: gradient_of(w)) for ga in ga_values},
+                             repeats=20 if quick else 60)
+        ms = {ga: _median_ms(times[ga]) for ga in ga_values}
+        out[key] = {"ms_per_update": {str(ga): ms[ga] for ga in ga_values},
+                    "over_big_batch": {str(ga): ms[ga] / ms[1] for ga in ga_values},
+                    "same_gradient_max_diff": same}
+    out["model_parameters"] = sum(p.numel() for p in model.parameters())
+    return out
 
 
 def _allreduce_worker(grad_accum_steps, micro_batch_size, width, depth, repeats):
@@ -263,7 +310,9 @@ def machine() -> dict:
     return {"python": platform.python_version(), "platform": f"{platform.system()} {platform.machine()}",
             "cpu_cores": os.cpu_count(), "gpus": gpu_count(),
             "torch": torch.__version__, "accelerate": metadata.version("accelerate"),
-            "date": time.strftime("%Y-%m-%d")}
+            "date": time.strftime("%Y-%m-%d"),
+            # what else the machine was doing: the 1-minute load average as the run started
+            "load_average": round(os.getloadavg()[0], 2)}
 
 
 def main(argv=None) -> int:
@@ -271,7 +320,9 @@ def main(argv=None) -> int:
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {', '.join(SECTIONS)}")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "bench" / "results.json")
-    parser.add_argument("--plot", type=Path, default=ROOT / "build" / "bench" / "results.png")
+    parser.add_argument("--plot", type=Path, default=ROOT / "build" / "bench" / "results.png",
+                        help="where the figure goes; --no-plot for a machine without matplotlib")
+    parser.add_argument("--no-plot", dest="plot", action="store_const", const=None)
     args = parser.parse_args(argv)
     chosen = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = sorted(set(chosen) - set(SECTIONS))
@@ -280,7 +331,14 @@ def main(argv=None) -> int:
     # The multi-process section forks: run it before anything in this process could touch CUDA.
     order = [s for s in SECTIONS if s in chosen]
     results = {"machine": machine(), "quick": args.quick}
+    from gaccum_course.benchmarks import SAVED
+
     for section in order:
+        if section == "notebooks" and args.out.resolve() == Path(str(SAVED)).resolve():
+            # Lesson 07 reads the saved file while it is timed: give it this run's sections so far,
+            # with the previous run's notebook times until this run's replace them below.
+            previous = json.loads(args.out.read_text()) if args.out.is_file() else {}
+            args.out.write_text(json.dumps({**previous, **results}, indent=2) + "\n")
         start = time.perf_counter()
         print(f"[bench] {section} ...", flush=True)
         results[section] = globals()[f"bench_{section}"](args.quick)
@@ -288,8 +346,11 @@ def main(argv=None) -> int:
     print(table(results))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, args.plot)
-    print(f"wrote {args.out} and {args.plot}")
+    if args.plot is not None:
+        import matplotlib.pyplot as plt
+
+        plt.close(plot(results, args.plot))
+    print(f"wrote {args.out}" + (f" and {args.plot}" if args.plot is not None else ""))
     return 0
 
 

@@ -12,12 +12,21 @@ from pathlib import Path
 
 # Shipped inside the package, so a wheel installed anywhere reads the same results lesson 07 shows.
 SAVED = resources.files("gaccum_course") / "saved" / "benchmarks.json"
-SECTIONS = ("strategy_cost", "allreduce", "memory", "simulator", "widgets", "notebooks")
+SECTIONS = ("strategy_cost", "time_cost", "allreduce", "memory", "simulator", "widgets", "notebooks")
 
 
 def _strategy_cost(r: dict) -> list[str]:
     return [f"strategy cost     token-normalised / naive per update: {r['token_over_naive']:.3f} "
             f"({r['token_ms_per_update']:.2f} vs {r['naive_ms_per_update']:.2f} ms, GA {r['grad_accum_steps']})"]
+
+
+def _time_cost(r: dict) -> list[str]:
+    def ratios(part):
+        return ", ".join(f"GA {ga} {ratio:.2f}x" for ga, ratio in part["over_big_batch"].items() if ga != "1")
+
+    return [f"time cost         GA micro-batches / one big batch of {r['rows']} rows, per update:",
+            f"                  packed rows       {ratios(r['packed'])}",
+            f"                  one line per row  {ratios(r['one_line_per_row'])} (a big batch pads more)"]
 
 
 def _allreduce(r: dict) -> list[str]:
@@ -51,7 +60,7 @@ def _notebooks(r: dict) -> list[str]:
         for name, n in r["notebooks"].items()]
 
 
-_SECTION_LINES = {"strategy_cost": _strategy_cost, "allreduce": _allreduce, "memory": _memory,
+_SECTION_LINES = {"strategy_cost": _strategy_cost, "time_cost": _time_cost, "allreduce": _allreduce, "memory": _memory,
                   "simulator": _simulator, "widgets": _widgets, "notebooks": _notebooks}
 
 
@@ -59,7 +68,8 @@ def table(results: dict) -> str:
     """The saved results as text, one block a section (sections not measured are left out)."""
     machine = results["machine"]
     lines = [f"machine: {machine['cpu_cores']} cores, {machine['gpus']} GPUs, "
-             f"torch {machine['torch']}, accelerate {machine['accelerate']}"]
+             f"torch {machine['torch']}, accelerate {machine['accelerate']}"
+             + (f", load {machine['load_average']} at the start" if "load_average" in machine else "")]
     for section in SECTIONS:
         if results.get(section):
             lines += _SECTION_LINES[section](results[section])
@@ -76,12 +86,13 @@ def load(path: Path | None = None) -> dict:
 
 def plot(results: dict, path: Path | None = None):
     """Four panels: memory, widget answer times, notebook run times, cost ratios; saved if ``path``."""
-    from matplotlib.figure import Figure
+    import matplotlib.pyplot as plt
 
     from . import plots
 
     plots.apply_style()
-    fig = Figure(figsize=(13, 9), layout="constrained")
+    # A pyplot figure, so a notebook's inline backend shows it (a bare Figure shows only its repr)
+    fig = plt.figure(figsize=(13, 9), layout="constrained")
     axes = fig.subplots(2, 2)
     if "memory" in results:
         rows = results["memory"]["rows"]
@@ -119,6 +130,10 @@ def plot(results: dict, path: Path | None = None):
     ratios = {}
     if "strategy_cost" in results:
         ratios["token-normalised\n/ naive"] = results["strategy_cost"]["token_over_naive"]
+    if "time_cost" in results:
+        packed = results["time_cost"]["packed"]["over_big_batch"]
+        largest = max(packed, key=int)
+        ratios[f"GA {largest} micro-batches\n/ one big batch"] = packed[largest]
     if "allreduce" in results:
         ratios["sync every\nmicro-batch / no_sync"] = results["allreduce"]["every_micro_batch_over_no_sync"]
     if ratios:

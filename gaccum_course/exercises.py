@@ -35,7 +35,8 @@ def _unscaled_factor(answer) -> Feedback:
     actual = forgot.final_weights[0] / full.final_weights[0]
     if abs(float(answer) - actual) < 1e-6:
         return Feedback(True, f"correct! the step is {actual:.0f}x larger: the gradients of GA means add up")
-    return Feedback(False, f"not quite: compare the two weights printed above (the step is {actual:.1f}x larger)")
+    return Feedback(False, "not quite: run the loop without the division and compare its weight with the full-batch "
+                           "2.04 (the weight starts at 0, so each weight is the length of its step)")
 
 
 def _equal_split_exact(answer) -> Feedback:
@@ -219,6 +220,52 @@ def _lm_accumulation_step(answer) -> Feedback:
     return Feedback(False, f"not quite: {report}\nhint: {hint}")
 
 
+def _own_count_weights(problem, *, grad_accum_steps, micro_batch_size, lr, epochs=1):
+    """Lesson 05's ``token_normalised_by_hand`` with each micro-batch divided by its own count (exercise 05.4)."""
+    import torch
+
+    from gaccum_lib._threads import single_thread
+    from gaccum_lib.simulate import flat_weights
+
+    with single_thread():
+        model = problem.make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        micro_batches = [problem.batch_of(ix) for ix in problem.micro_batch_indices(micro_batch_size)]
+        weights = [flat_weights(model)]
+        for _ in range(epochs):
+            for start in range(0, len(micro_batches), grad_accum_steps):
+                for batch in micro_batches[start:start + grad_accum_steps]:
+                    loss_sum, _ = problem.loss_sum_and_count(model, batch)
+                    (loss_sum / problem.count_targets(batch)).backward()  # its own count, not the window's
+                optimizer.step()
+                optimizer.zero_grad()
+                weights.append(flat_weights(model))
+    return np.stack(weights)
+
+
+def _own_count_strategy(answer) -> Feedback:
+    """05.4: the by-hand loop, each micro-batch divided by its own count: which library strategy is it?"""
+    from gaccum_lib.lm import tiny_lm
+    from gaccum_lib.simulate import simulate
+    from gaccum_lib.strategies import ALL_STRATEGIES
+
+    if not isinstance(answer, str) or answer not in ALL_STRATEGIES:
+        raise ValueError(f"give a strategy's name, one of {', '.join(ALL_STRATEGIES)} (gaccum_lib.LABELS)")
+    problem = tiny_lm(16)
+    kwargs = dict(grad_accum_steps=4, micro_batch_size=2, lr=0.5)
+    own_count = _own_count_weights(problem, **kwargs)
+    matches = [s for s in ALL_STRATEGIES if s != "full_batch"
+               and np.abs(simulate(problem, s, **kwargs).weights - own_count).max() < 1e-9]
+    if answer in matches:
+        return Feedback(True, f"correct! {answer}: each micro-batch's mean, and no / GA. Dividing by the window's N "
+                              "did two jobs, the weighting by targets and the / GA, and the own count does neither")
+    if answer == "mean_of_means":
+        return Feedback(False, "not quite: mean_of_means divides each micro-batch's mean by GA too; does the loop? "
+                               "(compare the length of the first step with the full batch's)")
+    return Feedback(False, f"not quite: {answer} is not what the loop does; compare its first step with "
+                           "simulate(problem, <strategy>, ...) for each name in LABELS")
+
+
 def _scheduler_steps_three_processes(answer) -> Feedback:
     from gaccum_lib.schedule import schedule_length
 
@@ -279,6 +326,7 @@ CHECKS = {
     "05.1": _targets_of_32_lines,
     "05.2": _missing_world_scale_factor,
     "05.3": _lm_accumulation_step,
+    "05.4": _own_count_strategy,
     "06.2": _missing_zero_grad_label,
     "07.2": _allreduce_ratio_directions,
     "07.3": _allreduce_ms,

@@ -14,7 +14,7 @@ module only builds what they train on, so nothing here is what a learner came to
   loss averages over: one target fewer than labels per row, because position t predicts t + 1.
 
 transformers is imported on first use (a few seconds); :func:`quiet_transformers` silences its
-advice-level logging so the lesson's output stays readable.
+advice-level logging and its progress bars so the lesson's output stays readable.
 """
 
 from __future__ import annotations
@@ -33,10 +33,12 @@ MODEL_KINDS = ("gpt2", "llama")
 
 
 def quiet_transformers() -> None:
-    """Keep transformers to errors: its notices (e.g. GPT-2 having no ``loss_type``) would bury the lesson."""
+    """Keep transformers to errors: its notices (e.g. GPT-2 having no ``loss_type``) and its progress bars
+    (``save_pretrained`` / ``from_pretrained`` draw one per call) would bury the lesson."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     logging.getLogger("accelerate").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*OMP_NUM_THREADS.*")
 

@@ -8,10 +8,12 @@ process is consumed at the right pace.
 
 Hence the rule: size the schedule in the scheduler steps Accelerate will take,
 ``N * ceil(ceil(len(dataloader) / N) / grad_accum_steps)`` per epoch for ``N`` processes and the
-unsharded dataloader's length. The usual rule, ``ceil(len(dataloader) / grad_accum_steps)``, is
-the same on one process and a few steps short on several (1000 batches, GA 8, 4 processes: 125
-instead of 128). Sizing it in micro-batches makes it decay ``grad_accum_steps`` times too
-slowly; sizing it from the sharded dataloader's length makes it run out ``N`` times too early.
+unsharded dataloader's length: the usual rule, ``ceil(len(dataloader) / grad_accum_steps)``,
+rounded up to a multiple of ``N``. The two agree whenever the usual rule is already a multiple of
+``N`` (always on one process); otherwise the usual rule is short by at most ``N - 1`` steps (1000
+batches, GA 8, 4 processes: 125 instead of 128). Sizing it in micro-batches makes it decay
+``grad_accum_steps`` times too slowly; sizing it from the sharded dataloader's length makes it run
+out ``N`` times too early.
 
 :func:`scheduler_steps_per_update` reproduces that counting; ``tests/test_schedule.py``
 checks it against real Accelerate in 1 and 2 processes.

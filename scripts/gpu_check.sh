@@ -1,22 +1,37 @@
 #!/usr/bin/env bash
 # The device check, for a session that is lent a GPU machine: run once, from the repository root,
 # through the device tool (`bash scripts/gpu_check.sh`, timeout_s 480). The machine has its own torch
-# (CUDA), accelerate and transformers and no network: only examples/train_causal_lm.py runs there,
-# as a learner copies it (it needs nothing else from this repository).
+# (CUDA), accelerate and transformers and no network, and no Jupyter: the take-home script runs as
+# a learner copies it (examples/train_causal_lm.py needs nothing else from this repository), and the
+# library's GPU-facing parts run from this checkout (gaccum_lib needs only torch and accelerate).
 #
-# What it shows: the take-home script chooses the GPU by itself, equals its full batch there in
-# float32, and stays within its stated tolerance of float32 under bf16 and fp16 autocast; `--cpu`
-# is honoured. (One GPU cannot host two NCCL ranks, so DDP on GPUs needs a machine with two.)
-# Everything lands in $OUT: gpu_check.log and one JSON report per run.
+# What it shows, in about 3 minutes on one GPU:
+#   - the take-home script chooses the GPU by itself, equals its full batch there in float32, and
+#     stays within its stated tolerance of float32 under bf16 and fp16 autocast; `--cpu` is honoured;
+#   - lesson 01's memory figure (weights + gradients + the activations autograd saves) next to what
+#     torch.cuda.max_memory_allocated reports for the same update on the GPU (printed, not yet a
+#     check: no GPU has run it, so no tolerance is known);
+#   - two launched processes while CUDA is present (the launch cells' one-GPU branch: CPU processes
+#     over gloo; one GPU cannot host two NCCL ranks) and `make bench`'s all-reduce and time-cost
+#     sections on this machine.
+# Not covered: the notebooks themselves (they need Jupyter, which the machine lacks) and DDP over
+# NCCL (it needs two GPUs).
+#
+# EXPECT_DEVICE=cpu runs the same checks on a machine without a GPU (tests/test_gpu_check.py does,
+# with fewer updates): what needs CUDA says it was skipped. Everything lands in $OUT: gpu_check.log,
+# one JSON report per take-home run, memory.json and bench.json.
 set -uo pipefail
 OUT=${OUT:-build/gpu_check}
+EXPECT_DEVICE=${EXPECT_DEVICE:-cuda}
+EPOCHS=${EPOCHS:-2}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 LOG="$OUT/gpu_check.log"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 work=$(mktemp -d)
 cp examples/train_causal_lm.py "$work/"
 {
-  nvidia-smi --query-gpu=name,memory.total --format=csv
+  nvidia-smi --query-gpu=name,memory.total --format=csv 2>&1 || echo "nvidia-smi: not available"
   python -c 'import torch, accelerate, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda,
 "accelerate", accelerate.__version__, "transformers", transformers.__version__)'
 } >"$LOG" 2>&1
@@ -24,7 +39,7 @@ status=0
 run() {  # name, then the script's arguments
   local name=$1; shift
   echo "== $name: python train_causal_lm.py $*" >>"$LOG"
-  (cd "$work" && timeout 150 python train_causal_lm.py --report "report_$name.json" "$@") >>"$LOG" 2>&1
+  (cd "$work" && timeout 150 python train_causal_lm.py --report "report_$name.json" --epochs "$EPOCHS" "$@") >>"$LOG" 2>&1
   local code=$?
   cp "$work/report_$name.json" "$OUT/" 2>/dev/null
   echo "== $name: exit $code" >>"$LOG"
@@ -33,17 +48,62 @@ run() {  # name, then the script's arguments
 run gpu_float32
 run gpu_bf16 --mixed_precision bf16
 run gpu_fp16 --mixed_precision fp16
-run forced_cpu --cpu --epochs 1
-python - "$OUT" >>"$LOG" 2>&1 <<'PY' || status=1
+run forced_cpu --cpu
+echo "== memory: lesson 01's count against torch.cuda.max_memory_allocated" >>"$LOG"
+timeout 120 python - "$OUT" >>"$LOG" 2>&1 <<'PY' || status=1
 import json, pathlib, sys
+
+import torch
+
+from gaccum_lib.memory import SavedTensorTracker, memory_demo_model
+
 out = pathlib.Path(sys.argv[1])
-for name, device in (("gpu_float32", "cuda"), ("gpu_bf16", "cuda"), ("gpu_fp16", "cuda"), ("forced_cpu", "cpu")):
+if not torch.cuda.is_available():
+    print("memory: skipped, CUDA is not available")
+    (out / "memory.json").write_text(json.dumps({"skipped": "no CUDA"}) + "\n")
+    sys.exit(0)
+rows = []
+model = memory_demo_model().cuda()
+for micro_batch, ga in ((32, 1), (32, 4), (128, 1)):
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()  # the weights, already there
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    with SavedTensorTracker(exclude=model.parameters()) as tracker:
+        for _ in range(ga):
+            x = torch.randn(micro_batch, 256, device="cuda", generator=generator)
+            y = torch.randn(micro_batch, 1, device="cuda", generator=generator)
+            (torch.nn.functional.mse_loss(model(x), y) / ga).backward()
+    torch.cuda.synchronize()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    gradients = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    row = {"micro_batch": micro_batch, "ga": ga, "lesson_01_mib": (weights + gradients + tracker.peak) / 2**20,
+           "max_memory_allocated_mib": torch.cuda.max_memory_allocated() / 2**20,
+           "allocated_before_mib": before / 2**20}
+    rows.append(row)
+    print(f"micro-batch {micro_batch} x GA {ga}: lesson 01 counts {row['lesson_01_mib']:.1f} MiB, "
+          f"max_memory_allocated {row['max_memory_allocated_mib']:.1f} MiB")
+(out / "memory.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1) + "\n")
+PY
+echo "== bench: all-reduce (2 launched processes) and time cost on this machine" >>"$LOG"
+timeout 240 python benchmarks/bench.py --only time_cost,allreduce --quick --out "$OUT/bench.json" --no-plot >>"$LOG" 2>&1 \
+  || status=1
+python - "$OUT" "$EXPECT_DEVICE" >>"$LOG" 2>&1 <<'PY' || status=1
+import json, pathlib, sys
+out, expected = pathlib.Path(sys.argv[1]), sys.argv[2]
+for name, device in (("gpu_float32", expected), ("gpu_bf16", expected), ("gpu_fp16", expected), ("forced_cpu", "cpu")):
     report = json.loads((out / f"report_{name}.json").read_text())
     check = report["check"]
     print(f"{name}: device {report['device']}, {check['updates']} updates, largest weight difference "
           f"{check['largest_weight_difference']:.1e} (tolerance {check['tolerance']:.0e}), equal {check['equal']}")
     assert report["device"].startswith(device), (name, report["device"])
     assert check["equal"], name
+bench = json.loads((out / "bench.json").read_text())
+assert bench["allreduce"]["allreduce_rounds_per_update"] == {"no_sync": 1, "every_micro_batch": 8}, bench["allreduce"]
+assert bench["time_cost"]["packed"]["same_gradient_max_diff"] < 1e-5, bench["time_cost"]
+print(f"bench: all-reduce on {bench['allreduce']['device']}, without / with no_sync "
+      f"{bench['allreduce']['every_micro_batch_over_no_sync']:.2f}x; GA 16 / one big batch "
+      f"{bench['time_cost']['packed']['over_big_batch']['16']:.2f}x (packed rows)")
 PY
 echo "gpu_check: exit $status" >>"$LOG"
 cat "$LOG"

@@ -36,7 +36,7 @@ EXPECTED_FIGURES = {
         "plugin.adjust_scheduler = True, what the scheduler reads = False"],
     "03_variable_length_trap.ipynb": ["initial weights: [-0.0075, 0.5364]", "full batch:       [0.0953, 0.4337]",
                                       "naive (mean of means): [0.0775, 0.4514]",
-                                      "token-normalised (36 items): [0.0953, 0.4337]"],
+                                      "token-normalised (36 targets): [0.0953, 0.4337]"],
     "04_many_processes.ipynb": ["rank 0: micro-batches of lengths [[1, 2, 3, 4], [9, 10, 11, 12]] -> 52 target tokens",
                                 "targets in the whole update: 136",
                                 "rank 0: local targets 52 of 136, weights [0.2117, 0.3172]",
@@ -104,3 +104,12 @@ def test_reference_figures_appear_in_the_outputs(name):
     text = _output_text(EXECUTED / name)
     missing = [figure for figure in EXPECTED_FIGURES[name] if figure not in text]
     assert missing == []
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_every_figure_is_shown_as_a_picture_not_as_its_repr(name):
+    nb = json.loads((EXECUTED / name).read_text())
+    bare = [i for i, cell in enumerate(nb["cells"]) for output in cell.get("outputs", [])
+            if "".join(output.get("data", {}).get("text/plain", "")).startswith("<Figure size")
+            and "image/png" not in output.get("data", {})]
+    assert bare == [], f"cells {bare} show '<Figure size ...>' text where the learner expects the plot"

@@ -132,3 +132,37 @@ def test_facilitator_agenda_uses_each_lessons_learner_time():
         rows = [line for line in guide.splitlines() if line.startswith("|")
                 and f"`{lesson.notebook.removesuffix('.ipynb')}`" in line]
         assert rows and all(f"| {time.without_exercises} min ({time.total}) |" in row for row in rows), lesson.notebook
+
+
+def test_the_core_agenda_gives_each_whole_lesson_its_learners_time_and_ends_at_three_hours():
+    """A lesson the core does all of ('all of it, exercise 1') gets at least its reading and running
+    time plus one exercise (5 minutes); the session ends at 3:00."""
+    from gaccum_course.lessons import MINUTES_PER_EXERCISE, learner_time
+
+    guide = (ROOT / "docs" / "facilitator-guide.md").read_text()
+    core = guide.split("### The 3-hour core", 1)[1].split("\n\n", 2)[1]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in core.splitlines()[2:]]
+
+    def minutes(clock):
+        hours, mins = clock.split(":")
+        return 60 * int(hours) + int(mins)
+
+    assert rows[-1][:2] == ["3:00", "end"]
+    by_name = {lesson.notebook.removesuffix(".ipynb"): lesson for lesson in LESSONS}
+    whole = 0
+    for row, after in zip(rows, rows[1:], strict=False):
+        slot = minutes(after[0]) - minutes(row[0])
+        assert slot > 0, row
+        if row[4].startswith("all of it"):
+            time = learner_time(by_name[row[1].strip("`")])
+            assert slot >= time.without_exercises + MINUTES_PER_EXERCISE, (row[1], slot, time.without_exercises)
+            whole += 1
+    assert whole >= 3
+
+
+def test_the_agenda_states_what_lessons_00_to_06_take_with_every_exercise():
+    from gaccum_course.lessons import learner_time
+
+    total = sum(learner_time(lesson).total for lesson in LESSONS[:7])
+    guide = (ROOT / "docs" / "facilitator-guide.md").read_text()
+    assert f"exercises take {total // 60} h {total % 60:02d} min" in guide.replace("\n", " ")

@@ -33,5 +33,8 @@ def test_readme_benchmark_table_is_the_saved_measurement():
         f"{results['simulator']['real_over_simulated']:.0f}x slower",
         f"regression {results['widgets']['regression_explorer']['median_ms']:.0f} /",
         f"({results['notebooks']['bare_notebook_s']:.1f} s)",
+        f"packed rows GA 2 {results['time_cost']['packed']['over_big_batch']['2']:.2f}x",
+        f"one line per row GA 2 {results['time_cost']['one_line_per_row']['over_big_batch']['2']:.2f}x",
+        f"load average {results['machine']['load_average']} as it started",
     ]
     assert [e for e in expected if e not in text] == []

@@ -95,6 +95,14 @@ def test_rows_collate_and_count():
     assert all(len(r["input_ids"]) == 16 for r in fixed_length_rows(5, 16))
 
 
+def test_quiet_transformers_turns_off_notices_and_progress_bars():
+    from transformers.utils import logging as hf_logging
+
+    quiet_transformers()
+    assert hf_logging.get_verbosity() == hf_logging.ERROR
+    assert not hf_logging.is_progress_bar_enabled()  # save_pretrained / from_pretrained draw none
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: tiny_causal_lm("bert"), "kind must be one of"),
     (lambda: tiny_causal_lm(hidden_size=30, num_heads=4), "hidden_size must be a multiple of num_heads=4"),
@@ -251,7 +259,7 @@ def test_bf16_gradient_buffer_error_grows_with_ga_and_mixed_precision_keeps_floa
     assert 1e-3 < float32[0] < 1e-2 and float32[1] < 1.2 * float32[0]  # the bf16 forward's error, flat in GA
     assert bf16[1] > 1.5 * bf16[0] and bf16[1] > 1.5 * float32[1]  # added up in bf16: grows with GA
 
-    bf16_model = tiny_causal_lm("llama").to(torch.bfloat16)  # e.g. from_pretrained(..., torch_dtype=bfloat16)
+    bf16_model = tiny_causal_lm("llama").to(torch.bfloat16)  # e.g. from_pretrained(..., dtype=torch.bfloat16)
     bf16_model(**collate(ROWS[:4])).loss.backward()
     assert all(p.grad.dtype == torch.bfloat16 for p in bf16_model.parameters())  # its .grad is a bf16 buffer
 
@@ -261,6 +269,25 @@ def test_bf16_gradient_buffer_error_grows_with_ga_and_mixed_precision_keeps_floa
     model = Accelerator(cpu=True, mixed_precision="bf16").prepare(tiny_causal_lm("llama"))
     model(**collate(ROWS[:4])).loss.backward()
     assert all(p.dtype == p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_mixed_precision_casts_no_weight_and_a_bf16_checkpoint_loads_in_bf16(tmp_path):
+    from accelerate import Accelerator
+    from transformers import LlamaForCausalLM
+
+    reset_accelerate_state(quiet=True)
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    model = tiny_causal_lm("llama")
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    seen = set()
+    model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, a, out: seen.add(out.dtype))
+    model(**collate(ROWS[:4])).loss.backward()
+    optimizer.step()
+    assert seen == {torch.bfloat16}  # autocast: the products in bf16
+    assert {t.dtype for s in optimizer.state.values() for t in s.values()} == {torch.float32}
+    tiny_causal_lm("llama").to(torch.bfloat16).save_pretrained(tmp_path)
+    assert accelerator.prepare(LlamaForCausalLM.from_pretrained(tmp_path)).dtype == torch.bfloat16
+    assert LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).dtype == torch.float32
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ def test_the_saved_results_are_a_full_run_of_every_section():
     results = benchmarks.load()
     assert results["quick"] is False  # a full run, not a smoke run
     assert set(benchmarks.SECTIONS) <= set(results)
-    assert {"cpu_cores", "gpus", "torch", "accelerate"} <= set(results["machine"])  # the machine it ran on
+    # the machine it ran on, and how busy it was
+    assert {"cpu_cores", "gpus", "torch", "accelerate", "load_average"} <= set(results["machine"])
 
 
 def test_the_allreduce_and_memory_settings_are_the_ones_the_lesson_describes():
@@ -24,6 +25,19 @@ def test_the_allreduce_and_memory_settings_are_the_ones_the_lesson_describes():
     assert allreduce["gradient_mib"] > 1  # megabytes per all-reduce, against one integer per all-gather
     memory = results["memory"]
     assert memory["micro_batch_size"] == 32 and memory["rows"][-1]["effective_batch"] == 16 * 32  # up to GA 16
+
+
+def test_the_time_cost_compares_the_same_rows_at_each_ga():
+    time_cost = benchmarks.load()["time_cost"]
+    assert time_cost["rows"] == 16 and time_cost["ga_values"] == [1, 2, 4, 8, 16]
+    for rows in ("packed", "one_line_per_row"):
+        part = time_cost[rows]
+        assert list(part["over_big_batch"]) == ["1", "2", "4", "8", "16"]
+        assert part["over_big_batch"]["1"] == 1.0  # each GA against the big batch of the same run
+        ms = part["ms_per_update"]
+        assert all(abs(part["over_big_batch"][ga] - ms[ga] / ms["1"]) < 1e-12 for ga in ms)
+        assert part["same_gradient_max_diff"] < 1e-6
+    assert "one line per row  GA 2 " in benchmarks.table(benchmarks.load())
 
 
 def test_make_bench_leaves_the_committed_results_alone():

@@ -61,3 +61,15 @@ def test_accelerates_adjust_scheduler_option_does_not_change_the_learning_rates(
     assert adjusted == not_adjusted == lr_per_update("updates", 16, 4, 1).tolist()
     with pytest.raises(TypeError, match="adjust_scheduler must be a bool, got str"):
         accelerate_lr_trace(16, 4, total, adjust_scheduler="yes")
+
+
+def test_the_exact_count_is_the_usual_rule_rounded_up_to_a_multiple_of_the_processes():
+    # Lesson 09's statement: equal exactly when ceil(L / GA) is a multiple of N, else short by under N.
+    for num_batches in range(1, 200):
+        for ga in range(1, 10):
+            for processes in range(1, 6):
+                usual = schedule_length("usual_rule", num_batches, ga, processes)
+                right = schedule_length("updates", num_batches, ga, processes)
+                assert right == processes * -(-usual // processes)
+                assert (right == usual) == (usual % processes == 0) and 0 <= right - usual < processes
+    assert schedule_length("usual_rule", 24, 4, 2) == schedule_length("updates", 24, 4, 2) == 6

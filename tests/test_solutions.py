@@ -26,8 +26,8 @@ def _naive_accumulation_step(model, optimizer, micro_batches, loss_fn, ctx):
 
 
 WRONG = {"00.2": 2, "01.1": True, "01.2": 0.02, "02.1": [3, 6, 9], "03.2": [1, 2, 3, 4, 5, 6, 7, 8], "04.1": 52,
-         "05.1": 1835, "05.2": 2, "05.3": _naive_accumulation_step, "06.2": "no update",
-         "07.2": ("larger", "larger"), "07.3": 29.9,
+         "05.1": 1835, "05.2": 2, "05.3": _naive_accumulation_step, "05.4": "mean_of_means", "06.2": "no update",
+         "07.2": ("larger", "larger"), "07.3": 36.1,
          "08.1": 50 / 49, "08.2": lambda model: model,
          "09.1": 250}  # 07.3: the slower time / GA, other work included
 
@@ -264,3 +264,17 @@ def test_the_lm_step_checker_names_the_bug_and_a_hint():
     feedback = check("05.3", _naive_accumulation_step, quiet=True)
     assert "mean of micro-batch means" in feedback.message
     assert "hint: divide each micro-batch's summed loss by the window's count" in feedback.message
+
+
+def test_the_own_count_loop_is_sum_of_means_and_the_checker_explains_mean_of_means():
+    from gaccum_course.exercises import _own_count_weights
+    from gaccum_lib import simulate
+    from gaccum_lib.lm import tiny_lm
+
+    problem = tiny_lm(16)
+    kwargs = dict(grad_accum_steps=4, micro_batch_size=2, lr=0.5)
+    weights = _own_count_weights(problem, **kwargs)
+    assert (weights == simulate(problem, "sum_of_means", **kwargs).weights).all()
+    assert abs(weights - simulate(problem, "mean_of_means", **kwargs).weights).max() > 1e-3
+    assert "divides each micro-batch's mean by GA too" in check("05.4", "mean_of_means", quiet=True).message
+    assert check("05.4", "sum of means", quiet=True).message.startswith("that answer cannot be checked")
