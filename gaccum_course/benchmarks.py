@@ -115,7 +115,6 @@ def plot(results: dict, path: Path | None = None):
         axes[0, 1].bar([i - 0.2 for i in x], medians, width=0.4, label="median", color=plots.OKABE_ITO["blue"])
         axes[0, 1].bar([i + 0.2 for i in x], worst, width=0.4, label="worst", color=plots.OKABE_ITO["orange"],
                        hatch="//")
-        axes[0, 1].axhline(200, color="0.4", linestyle="--", label="200 ms")
         axes[0, 1].set_xticks(list(x), [n.replace("_explorer", "") for n in names])
         axes[0, 1].set(ylabel="ms (compute + redraw)", title="widget answer time")
         axes[0, 1].legend()

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from install_cell import INSTALL_CELL  # noqa: E402 -- beside this script, not a package
+from install_cell import INSTALL_CELL, INSTALL_CELL_METADATA  # noqa: E402 -- beside this script, not a package
 
 KEPT_METADATA = ("kernelspec", "language_info", "execution")
 OPENING = ("What you will learn", "Prerequisites", "Run time")
@@ -59,8 +59,9 @@ def problems_of(path: Path) -> list[str]:
     sources = ["".join(c.get("source", "")) for c in code]
     if not any("assert" in s for s in sources):
         found.append("no assert in any code cell: nbmake would pass it whatever it shows")
-    if not sources or sources[0] != INSTALL_CELL:
-        found.append("the first code cell must be the install cell: python scripts/install_cell.py --write notebooks")
+    if not sources or sources[0] != INSTALL_CELL or code[0].get("metadata") != INSTALL_CELL_METADATA:
+        found.append("the first code cell must be the install cell, collapsed: "
+                     "python scripts/install_cell.py --write notebooks")
     if not markdown or not all(h in markdown[0] for h in OPENING):
         found.append(f"the first markdown cell must name: {', '.join(OPENING)}")
     for heading in CLOSING:

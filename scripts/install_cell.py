@@ -3,7 +3,9 @@
 On Colab, Kaggle or a JupyterHub it installs what the lessons need, once per runtime: torch only
 where none is present (the CPU build; an installed CUDA torch is left alone), then this suite at
 its pinned release. In `make lab`'s kernel, or wherever the wheel is installed, gaccum_lib imports
-and the cell installs nothing. `scripts/check_notebooks.py` fails a lesson whose first cell differs.
+and the cell installs nothing. It is plumbing, not a lesson: JupyterLab shows it collapsed
+(`jupyter.source_hidden`; a click opens it). `scripts/check_notebooks.py` fails a lesson whose
+first cell differs or is not collapsed.
 
 `GACCUM_SOURCE` and `GACCUM_TORCH` replace what it installs (the field test points them at a
 freshly built wheel and the local CPU torch).
@@ -15,6 +17,9 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+#: The cell's metadata: collapsed in JupyterLab (Colab ignores it and shows the code).
+INSTALL_CELL_METADATA = {"jupyter": {"source_hidden": True}}
 
 #: Where the lessons install the suite from: this release, so a lesson and its library match.
 RELEASE = "gaccum_lib @ git+https://github.com/gaccum/gaccum@v0.1.0"
@@ -48,8 +53,8 @@ def write(folder: Path) -> list[str]:
         first = next(c for c in nb["cells"] if c["cell_type"] == "code")
         lines = INSTALL_CELL.split("\n")
         source = [line + "\n" for line in lines[:-1]] + [lines[-1]]
-        if first["source"] != source:
-            first["source"] = source
+        if first["source"] != source or first.get("metadata") != INSTALL_CELL_METADATA:
+            first["source"], first["metadata"] = source, dict(INSTALL_CELL_METADATA)
             path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
             changed.append(path.name)
     return changed

@@ -25,7 +25,7 @@ def _naive_accumulation_step(model, optimizer, micro_batches, loss_fn, ctx):
     optimizer.zero_grad()
 
 
-WRONG = {"00.2": 2, "01.1": True, "01.2": 0.02, "02.1": [3, 6, 9], "03.2": [1, 2, 3, 4, 5, 6, 7, 8], "04.1": 52,
+WRONG = {"00.2": 2, "01.1": 2.04, "01.2": 0.02, "02.1": [3, 6, 9], "03.2": [1, 2, 3, 4, 5, 6, 7, 8], "04.1": 52,
          "05.1": 1835, "05.2": 2, "05.3": _naive_accumulation_step, "05.4": "mean_of_means", "06.2": "no update",
          "07.2": ("larger", "larger"), "07.3": 36.1,
          "08.1": 50 / 49, "08.2": lambda model: model,
@@ -107,7 +107,7 @@ def _numbers_01():
     unscaled_lr = ANSWERS["01.2"]
     assert simulate(problem, "sum_of_means", grad_accum_steps=4, micro_batch_size=2,
                     lr=unscaled_lr).final_weights[0] == pytest.approx(runs["full_batch"])
-    return [f"`my_exact = {ANSWERS['01.1']}`", f"by 1/{ga}", f"the {last_size} points",
+    return [f"`my_weight = {ANSWERS['01.1']}`", f"by 1/{ga}", f"the {last_size} points",
             f"1/{ga * last_size} each instead of 1/{len(problem)}",
             f"w = {runs['mean_of_means']:.4f} against the full batch's {runs['full_batch']:.4f}",
             f"**`lr = {unscaled_lr}`** (0.02 / {round(0.02 / unscaled_lr)})"]
@@ -118,9 +118,9 @@ def _numbers_02():
     from gaccum_lib.sharding import split_windows
 
     sync_points = ANSWERS["02.1"]
-    last_window = split_windows(toy_regression(num_points=20).micro_batch_indices(2), 4)[-1]
+    last_window = split_windows(toy_regression(num_points=22).micro_batch_indices(2), 4)[-1]
     return [f"`{sync_points}`", ", ".join(map(str, sync_points[:-1])) + f" and {sync_points[-1]}",
-            f"(here 4 / {len(last_window)} = {4 // len(last_window)})"]
+            f"(here 4 / {len(last_window)}, about {4 / len(last_window):.2f})"]
 
 
 def _numbers_09():
@@ -208,14 +208,16 @@ def _numbers_05():
 
 
 def _numbers_06():
-    from gaccum_lib import fmt_weights, seed_sequences, simulate
+    from gaccum_lib import seed_sequences, simulate
 
-    problem = seed_sequences(16)
-    lonely = simulate(problem, "mean_of_means", grad_accum_steps=2, micro_batch_size=4)
-    updates = {2: "two"}[lonely.num_updates]
-    return [ANSWERS["06.2"], f"each see all {len(problem)} items",
-            f"{len(problem.micro_batch_indices(4))} micro-batches of 4, GA = 2, {updates} updates",
-            f"Both end at {fmt_weights(lonely.final_weights)}"]
+    problem = seed_sequences(24)
+    lonely, grouped = (simulate(problem, "mean_of_means", grad_accum_steps=2, micro_batch_size=4, num_processes=n)
+                       for n in (1, 2))
+    words = {2: "two", 3: "three"}
+    return [ANSWERS["06.2"], f"sees all {len(problem)}",
+            f"{len(problem.micro_batch_indices(4))} micro-batches of 4, GA = 2: {words[lonely.num_updates]} updates",
+            f"short one of 1, {words[grouped.num_updates]} updates",
+            f"is {lonely.num_updates} for `n=1` and {grouped.num_updates} for `n=2`"]
 
 
 def _numbers_07():
