@@ -105,6 +105,7 @@ def test_each_lesson_states_the_learners_time_its_notebook_gives():
 
     for lesson in LESSONS:
         time = learner_time(lesson)
+        assert lesson.learner_minutes == (time.without_exercises, time.total), lesson.notebook  # the map's copy
         opening = "".join(json.loads((ROOT / "notebooks" / lesson.notebook).read_text())["cells"][0]["source"])
         assert (f"**A learner's time**: about {time.without_exercises} minutes to read and run, {time.total} with "
                 "the exercises") in opening, lesson.notebook
@@ -117,7 +118,7 @@ def test_the_learners_time_counts_prose_visible_code_and_exercises(tmp_path):
              {"cell_type": "code", "metadata": {}, "source": ["x = 1\n" * 30]},
              {"cell_type": "code", "metadata": {"jupyter": {"source_hidden": True}}, "source": ["y = 2\n" * 99]}]
     (tmp_path / "99_x.ipynb").write_text(json.dumps({"cells": cells}))
-    time = learner_time(Lesson("99_x.ipynb", "x", "x", "about 30 s"), tmp_path)
+    time = learner_time(Lesson("99_x.ipynb", "x", "x", "about 30 s", (0, 0)), tmp_path)
     assert (time.exercises, time.code) == (2, 3.0)  # the collapsed cell is not read
     assert abs(time.reading - 406 / 200) < 1e-9
     assert (time.without_exercises, time.total) == (10, 20)  # 2.03 + 3 + 0.5 min, rounded up; + 10 of exercises
