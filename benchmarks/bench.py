@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gaccum_course.benchmarks import SECTIONS, plot, table
+from gaccum_course.benchmarks import SAVED, SECTIONS, plot, table
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository: notebooks and build/ live there
 
@@ -331,8 +331,6 @@ def main(argv=None) -> int:
     # The multi-process section forks: run it before anything in this process could touch CUDA.
     order = [s for s in SECTIONS if s in chosen]
     results = {"machine": machine(), "quick": args.quick}
-    from gaccum_course.benchmarks import SAVED
-
     for section in order:
         if section == "notebooks" and args.out.resolve() == Path(str(SAVED)).resolve():
             # Lesson 07 reads the saved file while it is timed: give it this run's sections so far,

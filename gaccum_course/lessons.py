@@ -81,12 +81,15 @@ class LearnerTime:
 
     @property
     def without_exercises(self) -> int:
-        return 5 * math.ceil((self.reading + self.code + self.run_seconds / 60) / 5)
+        return _up_to_5(self.reading + self.code + self.run_seconds / 60)
 
     @property
     def total(self) -> int:
-        return 5 * math.ceil((self.reading + self.code + self.run_seconds / 60
-                              + MINUTES_PER_EXERCISE * self.exercises) / 5)
+        return _up_to_5(self.reading + self.code + self.run_seconds / 60 + MINUTES_PER_EXERCISE * self.exercises)
+
+
+def _up_to_5(minutes: float) -> int:
+    return 5 * math.ceil(minutes / 5)
 
 
 def learner_time(lesson: Lesson, folder: Path | None = None) -> LearnerTime:

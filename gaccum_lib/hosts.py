@@ -7,10 +7,11 @@ function once, in the kernel. A lesson that wants two processes then gets one.
 
 Accelerate's ``debug_launcher`` always forks CPU processes (gloo, meeting through a file), on
 Colab too. One setting must come with it: its ranks create their process group themselves, so
-Accelerate's "one OpenMP thread per process" rule sees a local world of one and gives every rank
-all the physical cores; a forked rank that then starts an OpenMP team beside the kernel's own
-thread pool waits forever (lesson 06, pitfall 15). ``OMP_NUM_THREADS=1`` makes Accelerate leave
-the thread count alone (it stays 1 only if the kernel's is; :func:`launch_from_notebook` sets both).
+Accelerate's thread rule (physical cores divided by the local processes, when OMP_NUM_THREADS is
+unset) sees a local world of one and gives every rank all the physical cores; a forked rank
+that then starts an OpenMP team beside the kernel's own thread pool waits forever (lesson 06,
+pitfall 15). ``OMP_NUM_THREADS=1`` makes Accelerate leave the thread count alone (it stays 1
+only if the kernel's is; :func:`launch_from_notebook` sets both).
 """
 
 from __future__ import annotations

@@ -112,25 +112,27 @@ class StepMemory:
 
 
 def peak_step_memory(model: nn.Module, micro_batch_size: int, grad_accum_steps: int, *, backward: str = "each",
-                     features: int = 256, seed: int = 0) -> StepMemory:
+                     features: int = 256, seed: int = 0, device: str = "cpu") -> StepMemory:
     """Run one accumulated update (gradients only, no optimizer step) and measure its memory.
 
     ``grad_accum_steps`` forward passes of ``micro_batch_size`` examples, each loss divided by
     GA; ``backward="each"`` calls backward after every micro-batch (the accumulation loop),
     ``backward="summed"`` adds the losses up and calls backward once at the end (the same
     gradients, but every micro-batch's activations stay alive until then). Activations are
-    tracked over the whole update; gradients are the bytes of ``.grad`` after it.
+    tracked over the whole update; gradients are the bytes of ``.grad`` after it. ``device`` is
+    where the inputs are made (the model must be there already): scripts/gpu_check.sh sets "cuda"
+    to compare this count with ``torch.cuda.max_memory_allocated``.
     """
     check_int("micro_batch_size", micro_batch_size, minimum=1, maximum=65536)
     check_int("grad_accum_steps", grad_accum_steps, minimum=1, maximum=4096)
     check_choice("backward", backward, tuple(BACKWARDS))
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(seed)
     model.zero_grad(set_to_none=True)
     with SavedTensorTracker(exclude=model.parameters()) as tracker:
         summed = 0.0
         for _ in range(grad_accum_steps):
-            inputs = torch.randn(micro_batch_size, features, generator=generator)
-            targets = torch.randn(micro_batch_size, 1, generator=generator)
+            inputs = torch.randn(micro_batch_size, features, generator=generator, device=device)
+            targets = torch.randn(micro_batch_size, 1, generator=generator, device=device)
             loss = nn.functional.mse_loss(model(inputs), targets) / grad_accum_steps
             if backward == "each":
                 loss.backward()

@@ -55,7 +55,7 @@ import json, pathlib, sys
 
 import torch
 
-from gaccum_lib.memory import SavedTensorTracker, memory_demo_model
+from gaccum_lib.memory import memory_demo_model, peak_step_memory
 
 out = pathlib.Path(sys.argv[1])
 if not torch.cuda.is_available():
@@ -65,21 +65,11 @@ if not torch.cuda.is_available():
 rows = []
 model = memory_demo_model().cuda()
 for micro_batch, ga in ((32, 1), (32, 4), (128, 1)):
-    model.zero_grad(set_to_none=True)
     torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()  # the weights, already there
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    with SavedTensorTracker(exclude=model.parameters()) as tracker:
-        for _ in range(ga):
-            x = torch.randn(micro_batch, 256, device="cuda", generator=generator)
-            y = torch.randn(micro_batch, 1, device="cuda", generator=generator)
-            (torch.nn.functional.mse_loss(model(x), y) / ga).backward()
+    step = peak_step_memory(model, micro_batch, ga, device="cuda")  # lesson 01's count, on the GPU
     torch.cuda.synchronize()
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    gradients = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
-    row = {"micro_batch": micro_batch, "ga": ga, "lesson_01_mib": (weights + gradients + tracker.peak) / 2**20,
-           "max_memory_allocated_mib": torch.cuda.max_memory_allocated() / 2**20,
-           "allocated_before_mib": before / 2**20}
+    row = {"micro_batch": micro_batch, "ga": ga, "lesson_01_mib": step.peak / 2**20,
+           "max_memory_allocated_mib": torch.cuda.max_memory_allocated() / 2**20}
     rows.append(row)
     print(f"micro-batch {micro_batch} x GA {ga}: lesson 01 counts {row['lesson_01_mib']:.1f} MiB, "
           f"max_memory_allocated {row['max_memory_allocated_mib']:.1f} MiB")

@@ -58,3 +58,11 @@ def test_memory_arguments_are_checked():
         memory_table(accumulation_steps=(), **SMALL)
     with pytest.raises(ValueError, match=r"micro_batch_size must be in \[1, 65536\], got 0"):
         memory_table(micro_batch_size=0, **SMALL)
+
+
+def test_peak_step_memory_on_an_explicit_device_is_the_same_measurement():
+    # scripts/gpu_check.sh passes device="cuda"; on the CPU the argument must change nothing
+    model = memory_demo_model(width=32, depth=2, features=16)
+    default = peak_step_memory(model, 4, 3, features=16)
+    explicit = peak_step_memory(model, 4, 3, features=16, device="cpu")
+    assert explicit == default and explicit.peak_activations > 0
