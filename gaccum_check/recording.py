@@ -1,0 +1,125 @@
+"""Record what every optimizer update did, in code that was never written to be checked.
+
+torch calls a *global* optimizer hook around every ``optimizer.step()`` of every optimizer in
+the process, Accelerate's and the Trainer's included (their wrappers call the inner
+optimizer's ``step`` only on a real update, so a skipped step records nothing). Before the
+step the hook copies the weights and the gradient the step is about to use (after DDP's
+averaging and after any clipping); after it, the weights. That is all
+:mod:`gaccum_check.invariance` compares, so a training function, a script or ``Trainer.train()``
+is checked without a line of it changed.
+
+``python -m gaccum_check.recording OUT_DIR script.py [args...]`` runs a script as
+``python script.py args`` would, records, and leaves ``OUT_DIR/rank<RANK>.pt`` (torchrun's
+``RANK``, 0 without it) however the script ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import runpy
+import sys
+from pathlib import Path
+
+import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+
+def _flat(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).to("cpu", torch.float64) for t in tensors])
+
+
+def layer_concern(module) -> str | None:
+    """What makes this layer's output depend on the batch it sees or on chance, in training; None if nothing."""
+    if not module.training:
+        return None
+    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+        return f"batch statistics: {type(module).__name__}"  # normalises with the statistics of the batch it sees
+    if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+        return f"randomness: {type(module).__name__}(p={module.p:g})"
+    return None
+
+
+class UpdateRecorder:
+    """Weights before and after, and the gradient used, of every optimizer update in this process.
+
+    It also notes the layers that would make the comparison meaningless or impossible: dropout
+    in training (its masks depend on the batch's shape) and batch statistics (BatchNorm).
+    """
+
+    def __init__(self):
+        self.before, self.after, self.gradients = [], [], []
+        self.concerns: set[str] = set()
+        self._seen: set[int] = set()
+
+    def _forward_pre(self, module, args):
+        if id(module) not in self._seen:  # look at each module once: this runs on every forward
+            self._seen.add(id(module))
+            concern = layer_concern(module)
+            if concern is not None:
+                self.concerns.add(concern)
+
+    def _params(self, optimizer):
+        return [p for group in optimizer.param_groups for p in group["params"]]
+
+    def _pre_step(self, optimizer, args, kwargs):
+        params = self._params(optimizer)
+        self.before.append(_flat(params))
+        self.gradients.append(_flat(p.grad if p.grad is not None else torch.zeros_like(p) for p in params))
+
+    def _post_step(self, optimizer, args, kwargs):
+        self.after.append(_flat(self._params(optimizer)))
+
+    @contextlib.contextmanager
+    def recording(self):
+        handles = [register_optimizer_step_pre_hook(self._pre_step), register_optimizer_step_post_hook(self._post_step),
+                   register_module_forward_pre_hook(self._forward_pre)]
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def result(self) -> dict:
+        """What one process did: tensors of shape (updates, weights); empty when it never stepped."""
+        if len({len(w) for w in self.before}) > 1:
+            raise RuntimeError("the optimizer updates did not all see the same weights (several optimizers, or "
+                               "parameters added while training): only one optimizer over fixed parameters is checked")
+        stack = lambda rows: torch.stack(rows) if rows else torch.zeros(0, 0, dtype=torch.float64)  # noqa: E731
+        return {"before": stack(self.before), "after": stack(self.after), "gradients": stack(self.gradients),
+                "concerns": sorted(self.concerns)}
+
+
+def record_call(function, *args):
+    """``function(*args)`` with every update recorded: ``{"result": what it returned, **UpdateRecorder.result()}``."""
+    recorder = UpdateRecorder()
+    with recorder.recording():
+        returned = function(*args)
+    return {"result": returned, **recorder.result()}
+
+
+def run_script_recorded(out_dir: str, script: str, script_args: list[str]) -> int:
+    """Run ``script`` as ``__main__`` with ``script_args`` and save this process's updates in ``out_dir``."""
+    recorder = UpdateRecorder()
+    sys.argv = [script, *script_args]
+    sys.path.insert(0, str(Path(script).resolve().parent))  # as `python script.py` puts the script's folder first
+    status = 0
+    try:
+        with recorder.recording():
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:  # the script's own sys.exit(main()): keep its status, print its message
+        status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    finally:
+        path = Path(out_dir) / f"rank{os.environ.get('RANK', '0')}.pt"
+        torch.save(recorder.result(), path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").rename(path)
+    return status
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3:
+        raise SystemExit("usage: python -m gaccum_check.recording OUT_DIR script.py [script arguments...]")
+    sys.exit(run_script_recorded(sys.argv[1], sys.argv[2], sys.argv[3:]))
