@@ -2,7 +2,7 @@
 
 Runs the script at GA k on each process count (``torchrun`` for more than one) and as its
 full batch, compares the weights after every update and the logged losses, prints the report
-(:func:`gaccum_check.invariance.check_script_invariance`). Exit status: 0 passed, 1 failed,
+(:func:`gaccum_check.invariance_runs.check_script_invariance`). Exit status: 0 passed, 1 failed,
 2 bad arguments, 3 a run could not be made (the script failed; its output is printed).
 """
 
@@ -44,7 +44,8 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from .invariance import DEFAULT_LOSS_PATTERN, InvarianceCheckError, check_script_invariance
+    from .invariance import InvarianceCheckError
+    from .invariance_runs import DEFAULT_LOSS_PATTERN, check_script_invariance
 
     pattern = None if args.no_losses else (args.loss_pattern or DEFAULT_LOSS_PATTERN)
     try:

@@ -15,13 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from gaccum_check.invariance import (
-    InvarianceCheckError,
-    Run,
+from gaccum_check.invariance import InvarianceCheckError, Run, judge
+from gaccum_check.invariance_runs import (
     check_invariance,
     check_script_invariance,
     check_trainer_invariance,
-    judge,
     printed_resolution,
 )
 

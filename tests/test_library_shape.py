@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("gaccum_lib", "gaccum_check", "gaccum_course")
-LIBRARY_BUDGET = 2500  # lines, all of gaccum_lib's Python files together
+LIBRARY_BUDGET = 3300  # lines, all of gaccum_lib's Python files together (2323 before lesson 10's three modules, 680)
 MODULE_CAP = 400
 LAUNCH_CAP = 300
 
