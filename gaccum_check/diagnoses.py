@@ -10,6 +10,7 @@ turns the gradient into an update afterwards.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -21,6 +22,23 @@ from .ranks import processes_text
 
 # Cosine above this: the gradient points the reference's way.
 SAME_DIRECTION = 1.0 - 1e-6
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One diagnosis of one process count: ``label``, the numbers seen (``facts``) and what to do (``advice``).
+
+    The report prints each label once, with the facts of every process count it holds for
+    (once when they agree) and the advice once: "label: facts; advice".
+    """
+
+    label: str
+    facts: str = ""
+    advice: str = ""
+
+    @property
+    def text(self) -> str:
+        return f"{self.label}: " + "; ".join(part for part in (self.facts, self.advice) if part)
 
 # Known pitfalls: (short label, what to do). A diagnosis reads "label: explanation".
 ISSUES = {
@@ -138,27 +156,112 @@ def simplest(matches) -> list[tuple[str, ...]]:
     return [m for m, s in zip(matches, sets, strict=True) if not any(o < s for o in sets)]
 
 
-def issue_texts(explanations) -> list[str]:
+def issue_findings(explanations) -> list[Finding]:
     keys = {k for e in explanations for k in e}
-    return [f"{label}: {text}" for key, (label, text) in ISSUES.items() if key in keys]
+    return [Finding(label, advice=text) for key, (label, text) in ISSUES.items() if key in keys]
 
 
-def unexplained(ratio, cosine, ga) -> list[str]:
+def unexplained(ratio, cosine, ga, distance, precision=None) -> Finding:
+    """A gradient no known pitfall gives: rounding of a lower precision, a wrong size, or something else."""
+    if precision is not None and distance <= 4 * precision.floor:
+        return Finding("lower-precision rounding",
+                       f"the gradient is {distance:.2e} (relative) off the reference's, gradient ratio {ratio:.4g}, "
+                       f"cosine {cosine:.6f}, more than the {precision.floor:.1e} that {precision.name}'s rounding "
+                       "is allowed",
+                       "a right loop rounds this much only on a deep model or a badly conditioned window; check the "
+                       "loop without autocast (the normalisation does not depend on the precision)")
     if cosine >= SAME_DIRECTION:
         # Not necessarily a constant factor: on a model whose gradients all lie on one line (a 2-class
         # classifier without bias) any per-micro-batch weighting keeps the direction.
-        return [f"wrong update size: the gradient points the reference's way but is {ratio:.4g} times its size "
-                f"({100 * abs(ratio - 1):.3g} % off), and no known pitfall gives exactly this; check what each "
-                "micro-batch's loss is divided by (a count that includes padding?), and that loss_fn returns the "
-                "summed loss"]
-    return [f"no known pitfall matches: gradient ratio {ratio:.4g}, cosine {cosine:.4f} (GA={ga}); compare what "
-            "each micro-batch feeds to backward with its summed loss / the window's total targets"]
+        return Finding("wrong update size",
+                       f"the gradient points the reference's way but is {ratio:.4g} times its size "
+                       f"({100 * abs(ratio - 1):.3g} % off)",
+                       "no known pitfall gives exactly this; check what each micro-batch's loss is divided by (a "
+                       "count that includes padding?), and that loss_fn returns the summed loss; if your step "
+                       "clips the gradient, pass max_grad_norm= so that the reference clips it the same way")
+    return Finding("no known pitfall matches", f"gradient ratio {ratio:.4g}, cosine {cosine:.4f} (GA={ga})",
+                   "compare what each micro-batch feeds to backward with its summed loss / the window's total targets")
 
 
-def nonfinite(counts) -> str:
+def nonfinite(counts) -> Finding:
     hint = (" A micro-batch has no targets (all labels -100): its own mean loss is 0 / 0, which is what a mean of "
             "micro-batch means divides by." if min(counts) == 0 else "")
-    return f"non-finite gradient: optimizer.step() received NaN or inf.{hint}"
+    return Finding("non-finite gradient", f"optimizer.step() received NaN or inf.{hint}")
+
+
+# --- what the events of a window say: zero_grad inside it, a step before its last backward ------------------
+
+
+@dataclass(frozen=True)
+class WindowShape:
+    """Where a window's first optimizer.step() fell among its backward passes (from its B/Z/S events)."""
+
+    backwards: int  # in the whole window
+    before_step: int  # backward passes before the step
+    kept: int  # ... of which no zero_grad came after: the gradient the step got
+    zero_grads: int
+
+    @classmethod
+    def of(cls, events: str) -> WindowShape:
+        before, _, _ = events.partition("S")
+        return cls(backwards=events.count("B"), before_step=before.count("B"),
+                   kept=before.rpartition("Z")[2].count("B"), zero_grads=events.count("Z"))
+
+
+def zeroed_inside(shape: WindowShape, ga: int, last_alone: bool) -> Finding | None:
+    """zero_grad() between the window's backward passes: the step gets only the ones after the last of them."""
+    if shape.kept == 0 or shape.kept == shape.before_step:
+        return None
+    every = shape.kept == 1
+    label = "zero_grad on every micro-batch" if every else "gradients zeroed inside the window"
+    got = "the last micro-batch's alone" if every else f"the last {shape.kept} of {shape.before_step} backward passes"
+    matched = " (it equals that micro-batch's gradient, normalised as the window's)" if last_alone else ""
+    return Finding(label, f"optimizer.zero_grad() ran {shape.zero_grads} times in one window of GA={ga} micro-batches, "
+                          f"between its backward passes, so optimizer.step() got {got}{matched}",
+                   "accumulating needs the gradients of every micro-batch: call optimizer.zero_grad() once per "
+                   "window, after optimizer.step() (or before the first backward)")
+
+
+def zeroed_unseen(ga: int) -> Finding:
+    """The step got the last micro-batch's gradient alone, with no optimizer.zero_grad() in the window."""
+    return Finding("zero_grad on every micro-batch",
+                   f"optimizer.step() got the last of the window's GA={ga} micro-batches' gradient alone (normalised "
+                   "as the window's), with no optimizer.zero_grad() between them: something else zeroed the "
+                   "gradients on every micro-batch (model.zero_grad(), p.grad = None?)",
+                   "accumulating needs the gradients of every micro-batch: zero them once per window, after "
+                   "optimizer.step()")
+
+
+def step_too_early(shape: WindowShape) -> Finding | None:
+    """optimizer.step() once, but before the window's last backward: the later ones wait for the next update."""
+    if shape.before_step == 0 or shape.before_step == shape.backwards:
+        return None
+    later = shape.backwards - shape.before_step
+    return Finding("off-by-one step boundary",
+                   f"optimizer.step() ran after backward {shape.before_step} of {shape.backwards} in the window, so "
+                   f"it got {shape.before_step} micro-batch(es)' gradient and the {later} after it are left for the "
+                   "next update",
+                   "step after the window's last micro-batch: `(i + 1) % GA == 0` with i counted from 0, or after the "
+                   "loop over the window")
+
+
+def batch_dependent(layers, distance, why_not, loop_right: bool) -> str:
+    """The diagnosis of a model whose layers normalise by the batch: accumulation cannot equal the full batch."""
+    measured = (f"here each micro-batch's gradient added up is {distance:.2g} (relative) from one forward over the "
+                "whole window" if distance is not None else
+                f"how far that is from one forward over the whole window is not measured: the micro-batches cannot "
+                f"be concatenated ({why_not})")
+    loop = ("your loop equals that accumulation (each micro-batch's gradient added up) on every process count "
+            "checked" if loop_right else
+            "the rest of the report compares your loop with that accumulation (each micro-batch's gradient added up)")
+    return (f"batch-dependent layer: {', '.join(layers)} normalises each micro-batch by its own mean and variance, "
+            f"so accumulation cannot equal the full batch, which normalises by the whole window's; {measured}; "
+            f"{loop}. For accumulation to equal the full batch, normalise per sample (GroupNorm or LayerNorm), use "
+            "BatchNorm in eval mode with frozen running statistics, or batch statistics synced over the whole "
+            "window; to check the rest of your loop, build the model in eval mode for the check")
+
+
+# --- the report's diagnosis: each label once ------------------------------------------------------------
 
 
 def _ambiguity(explanations, where: str) -> list[str]:
@@ -169,44 +272,55 @@ def _ambiguity(explanations, where: str) -> list[str]:
             "to tell them apart"]
 
 
-def diagnose(outcomes) -> tuple[list[str], list[str]]:
-    """The report's diagnosis (what holds for every process count, else each count's own, marked with its
-    process counts) and notes on ambiguity."""
-    all_counts = [o.num_processes for o in outcomes]
-    found: dict[str, list[int]] = {}  # diagnosis text -> process counts it came from
+def _merged(label: str, facts: dict, advice: str, all_counts) -> str:
+    """One diagnosis line for a label, with the facts of each process count it holds for (once if they agree)."""
+    counts = sorted(facts)
+    where = ""
+    if len(all_counts) > 1 and counts != sorted(all_counts):
+        where = f" (only with {', '.join(map(str, counts))} process{'' if counts == [1] else 'es'})"
+    distinct = set(facts.values())
+    if len(distinct) == 1:
+        said = distinct.pop()
+    else:
+        said = "; ".join(f"with {processes_text(p)}, {facts[p]}" for p in counts if facts[p])
+    return f"{label}{where}: " + "; ".join(part for part in (said, advice) if part)
 
-    def add(text, num_processes, by_label=False):
-        label = text.split(":", 1)[0]  # structural: merge by label, the numbers may differ per count
-        same = next((t for t in found if t.split(":", 1)[0] == label), text) if by_label else text
-        found.setdefault(same, []).append(num_processes)
+
+def diagnose(outcomes) -> tuple[list[str], list[str]]:
+    """The report's diagnosis, each label once (with the process counts it holds for, when not all), and notes
+    on ambiguity.
+
+    Where one known pitfall explains every process count checked it is the diagnosis; otherwise each
+    process count's own. Structural findings (how often the optimizer stepped, ranks that diverged, ...)
+    come first.
+    """
+    all_counts = [o.num_processes for o in outcomes]
+    found: dict[str, tuple[dict, str]] = {}  # label -> ({process count: facts}, advice)
+
+    def add(finding: Finding, counts) -> None:
+        facts, _ = found.setdefault(finding.label, ({}, finding.advice))
+        for p in counts:
+            facts.setdefault(p, finding.facts)
 
     notes: list[str] = []
     for o in outcomes:
-        for text in o.structural:
-            add(text, o.num_processes, by_label=True)
+        for finding in o.structural + o.clip:
+            add(finding, [o.num_processes])
     compared = [o for o in outcomes if o.matches is not None]
-    common = _common(compared) if any(o.first_failed for o in compared) else []
+    common = _common(compared) if any(o.judged_failed for o in compared) else []
     if common:
         # One explanation fits every process count: it is the diagnosis (e.g. missing x num_processes
         # matches 2 processes, and agrees with 1 process, where it makes no difference).
-        for text in issue_texts(common):
-            found.setdefault(text, list(all_counts))
+        for finding in issue_findings(common):
+            add(finding, all_counts)
         notes += _ambiguity(common, "for every process count checked")
     else:
         for o in compared:
-            if o.first_failed:
-                for text in o.check.diagnosis:
-                    if text not in o.structural:
-                        add(text, o.num_processes)
+            if o.judged_failed:
+                for finding in o.local:
+                    add(finding, [o.num_processes])
                 notes += _ambiguity(simplest(o.matches), f"with {processes_text(o.num_processes)}")
-    diagnosis = []
-    for text, counts in found.items():
-        if len(all_counts) > 1 and sorted(set(counts)) != sorted(all_counts):
-            where = ", ".join(str(p) for p in sorted(set(counts)))
-            label, _, rest = text.partition(":")
-            text = f"{label} (only with {where} process{'' if set(counts) == {1} else 'es'}):{rest}"
-        diagnosis.append(text)
-    return diagnosis, notes
+    return [_merged(label, facts, advice, all_counts) for label, (facts, advice) in found.items()], notes
 
 
 def _common(compared):

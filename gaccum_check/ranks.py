@@ -19,119 +19,117 @@ import copy
 import numbers
 import threading
 import time
-from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from gaccum_lib.simulate import mean_over_ranks
 
+from . import collective as _collective
+from .collective import AccumulationCheckError, Collective, _CollectiveError, _sum_values, processes_text
+
 # The user's step runs for two windows in a row: one window cannot show that gradients (or
 # any other state) leak from one optimizer update into the next.
 WINDOWS = 2
-# A toy step takes milliseconds; a rank that waits this long at a collective call waits for
-# a rank that will never come (it is stuck in the user's code).
-COLLECTIVE_TIMEOUT_S = 60.0
-# How long the caller waits for a rank to come back from step (a rank stuck outside a collective call).
-JOIN_TIMEOUT_S = 2 * COLLECTIVE_TIMEOUT_S
+JOIN_TIMEOUT_S = 2 * _collective.COLLECTIVE_TIMEOUT_S
 
-
-class AccumulationCheckError(RuntimeError):
-    """The checked ``step`` raised, hung, or the ranks made different collective calls."""
-
-
-class _CollectiveError(AccumulationCheckError):
-    """Raised inside a rank when the collective call it takes part in cannot complete."""
-
-
-def processes_text(num_processes: int) -> str:
-    return f"{num_processes} process" + ("" if num_processes == 1 else "es")
-
-
-class Collective:
-    """Links the rank threads: every collective call deposits a value, waits for all ranks, combines.
-
-    The combining runs as the barrier's action, once, in the last rank to arrive while the
-    others wait; every rank reads the result before it can deposit its next value, so one
-    result slot suffices.
-    """
-
-    def __init__(self, num_processes: int):
-        self._ops: list = [None] * num_processes
-        self._values: list = [None] * num_processes
-        self._combine_fn: Callable | None = None
-        self._result = None
-        self.failure: str | None = None  # why a collective call could not complete
-        self._barrier = threading.Barrier(num_processes, action=self._combine, timeout=COLLECTIVE_TIMEOUT_S)
-
-    def _combine(self) -> None:
-        ops = list(self._ops)
-        if len(set(ops)) > 1:
-            calls = ", ".join(f"rank {r} {op}" for r, op in enumerate(ops))
-            self.failure = (f"the ranks made different collective calls at the same point ({calls}); every rank "
-                            "must call ctx.backward(), ctx.all_reduce_sum() and optimizer.step() the same number "
-                            "of times in the same order, or a real multi-process run hangs")
-        else:
-            try:
-                self._result = self._combine_fn(list(self._values))
-            except (TypeError, ValueError) as exc:
-                self.failure = f"{ops[0]}: {exc}"
-        if self.failure is not None:
-            raise _CollectiveError(self.failure)  # breaks the barrier: every waiting rank is released at once
-
-    def exchange(self, rank: int, op: str, value, combine: Callable):
-        self._ops[rank], self._values[rank] = op, value
-        self._combine_fn = combine  # same function on every rank when the ops agree
-        try:
-            self._barrier.wait()
-        except threading.BrokenBarrierError:
-            if self.failure is not None:
-                raise _CollectiveError(self.failure) from None
-            raise
-        return self._result
-
-    def abort(self) -> None:
-        self._barrier.abort()
-
-
-def _sum_values(values):
-    if all(isinstance(v, torch.Tensor) for v in values):
-        shapes = [tuple(v.shape) for v in values]
-        if len(set(shapes)) > 1:
-            raise ValueError(f"the ranks passed tensors of different shapes {shapes}; they must match")
-        return torch.stack(values).sum(dim=0)
-    if any(isinstance(v, torch.Tensor) for v in values):
-        kinds = [type(v).__name__ for v in values]
-        raise TypeError(f"some ranks passed a tensor and others a number ({kinds}); pass the same kind on every rank")
-    if all(isinstance(v, numbers.Integral) for v in values):
-        return sum(int(v) for v in values)
-    return float(sum(float(v) for v in values))
 
 
 class _Rank:
-    """One rank's model, gradient bookkeeping and collectives."""
+    """One rank's model, gradient bookkeeping and collectives, and what its step did (:class:`WindowRecord`)."""
 
     def __init__(self, rank: int, model, collective: Collective):
         self.rank, self.collective = rank, collective
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.in_no_sync = False
         self.unsynced = False  # a backward outside no_sync added gradients since the last all-reduce
+        # Each gradient as the last backward or all-reduce left it (the tensor and its in-place version
+        # counter): anything that edits it before optimizer.step() (a clip) changes one of the two.
+        self.left: dict[int, tuple] = {}
+        self.synced: list | None = None  # the gradients right after the last all-reduce, while no backward followed
+        self.record = WindowRecord()
+        self._reached: set | None = None  # the parameters the current backward pass has reached (None: it ended)
+        self.autocast: set = set()  # (device type, dtype) of every autocast the model's forward ran under
+        self.devices = sorted({"cpu"} | {p.device.type for p in self.params})
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._grad_accumulated)
+        model.register_forward_pre_hook(self._forward_started)
 
-    def _grad_accumulated(self, _param) -> None:
+    def _grad_accumulated(self, param) -> None:
         if not self.in_no_sync:
             self.unsynced = True
+        self.left[id(param)] = (param.grad, param.grad._version)
+        self.synced = None
+        # A backward pass calls this once for each parameter it reaches: a parameter seen again starts the next one.
+        if self._reached is None or not self.record.events.endswith("B") or id(param) in self._reached:
+            self.record.event("B")
+            self._reached = set()
+        self._reached.add(id(param))
+
+    def _forward_started(self, _module, _inputs) -> None:
+        # Autocast is thread-local: this hook runs in the rank's thread, inside the step's own context.
+        for device in self.devices:
+            if torch.is_autocast_enabled(device):
+                self.autocast.add((device, torch.get_autocast_dtype(device)))
+
+    def gradients_edited(self) -> bool:
+        """Whether a gradient changed in place (or was replaced) since the last backward or all-reduce."""
+        def unchanged(p):
+            tensor, version = self.left.get(id(p), (None, None))
+            return tensor is p.grad and version == p.grad._version
+
+        return any(p.grad is not None and not unchanged(p) for p in self.params)
+
+    def _remember_gradients(self, synced) -> None:
+        self.left = {id(p): (p.grad, p.grad._version) for p in self.params if p.grad is not None}
+        self.synced = synced
 
     def sync(self) -> None:
         """DDP's all-reduce: every rank's gradients become their average over the ranks."""
         grads = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
+        if self.collective.num_processes == 1:  # the average of one rank: nothing to exchange
+            self.unsynced = False
+            self._remember_gradients(grads)
+            return
         means = self.collective.exchange(self.rank, "gradient all-reduce", grads, mean_over_ranks)
         with torch.no_grad():
             for p, mean in zip(self.params, means, strict=True):
                 if mean is not None:
                     p.grad = mean.clone() if p.grad is None else p.grad.copy_(mean)
         self.unsynced = False
+        self._remember_gradients(means)
+
+
+@dataclass
+class WindowRecord:
+    """What one rank's step did in one window, in the order it did it."""
+
+    events: str = ""  # B: a backward added gradients, Z: optimizer.zero_grad(), S: optimizer.step()
+    gradient: np.ndarray | None = None  # the gradient handed to the first optimizer.step()
+    # The gradient after the window's last all-reduce, when the step edited it before optimizer.step() (a clip).
+    before_edit: np.ndarray | None = None
+    edited: bool = False  # the gradient changed between the last backward (or all-reduce) and optimizer.step()
+    edited_before_sync: bool = False  # ... and before its all-reduce: a plain backward on several ranks
+    settings: list = field(default_factory=list)  # param_groups (without params) when the window began
+    settings_at_step: list | None = None  # ... when optimizer.step() was called
+
+    def event(self, kind: str) -> None:
+        self.events += kind
+
+    @property
+    def steps(self) -> int:
+        return self.events.count("S")
+
+    @property
+    def zero_grads(self) -> int:
+        return self.events.count("Z")
+
+
+def optimizer_settings(param_groups) -> list[dict]:
+    """Each param group's settings (lr, momentum, betas, ...): everything but its parameters, copied."""
+    return [{k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+             for k, v in group.items() if k != "params"} for group in param_groups]
 
 
 class StepContext:
@@ -169,6 +167,7 @@ class StepContext:
     def backward(self, loss: torch.Tensor) -> None:
         """``accelerator.backward(loss)``: backward of ``loss / grad_accum_steps``, then DDP's all-reduce."""
         (loss / self.grad_accum_steps).backward()
+        self._rank._reached = None  # the next backward is another pass, whichever parameters it reaches
         if not self._rank.in_no_sync:
             self._rank.sync()
 
@@ -207,34 +206,71 @@ class PlainSGD:
                     p.grad = None if set_to_none else p.grad.detach().zero_()
 
 
-class RankOptimizer:
-    """The optimizer ``step`` receives: the chosen optimizer, counting its calls and recording the
-    gradient it is handed (after DDP's averaging, if a plain backward left some pending)."""
+class RankOptimizer(torch.optim.Optimizer):
+    """The optimizer ``step`` receives: the chosen optimizer, recording what is done with it.
 
-    def __init__(self, inner, rank: _Rank):
+    It counts ``step()`` and ``zero_grad()`` calls, and records the gradient it is handed (after
+    DDP's averaging, if a plain backward left some pending). It is a ``torch.optim.Optimizer``
+    (as Accelerate's ``AcceleratedOptimizer`` is) so that a learning-rate scheduler can be built
+    on it; everything else is the inner optimizer's.
+    """
+
+    def __init__(self, inner, rank: _Rank):  # no super().__init__(): the inner optimizer holds the state
         self._inner, self._rank = inner, rank
-        self.step_calls = self.zero_grad_calls = 0
-        self.gradients: list[np.ndarray] = []
 
     @property
     def param_groups(self):
         return self._inner.param_groups
 
-    def __getattr__(self, name):  # state, state_dict(), ... of the real optimizer
+    @property
+    def state(self):
+        return self._inner.state
+
+    @property
+    def defaults(self):
+        return getattr(self._inner, "defaults", {})
+
+    def __getattr__(self, name):  # anything else of the real optimizer
+        if name in ("_inner", "_rank"):  # not set yet (copying): no recursion
+            raise AttributeError(name)
         return getattr(self._inner, name)
+
+    def state_dict(self):
+        return self._inner.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self._inner.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group) -> None:
+        self._inner.add_param_group(param_group)
 
     def step(self, closure=None) -> None:
         if closure is not None:
             raise TypeError("optimizer.step(closure): the checked optimizer takes no closure; call step() "
                             "after the window's backward passes")
-        self.step_calls += 1
-        if self._rank.unsynced:
-            self._rank.sync()
-        self.gradients.append(flat_grads(self._rank.params))
+        rank, record = self._rank, self._rank.record
+        record.event("S")
+        if record.steps == 1:
+            self._record_first_step(rank, record)
+        elif rank.unsynced:
+            rank.sync()
         self._inner.step()
 
+    def _record_first_step(self, rank: _Rank, record: WindowRecord) -> None:
+        pending = rank.unsynced  # a plain backward's gradients, averaged only now
+        edited = rank.gradients_edited()
+        synced = rank.synced
+        if pending:
+            rank.sync()
+        record.gradient = flat_grads(rank.params)
+        record.edited = edited
+        record.edited_before_sync = edited and pending and rank.collective.num_processes > 1
+        if edited and synced is not None:
+            record.before_edit = flat_tensors(synced, rank.params)
+        record.settings_at_step = optimizer_settings(self.param_groups)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.zero_grad_calls += 1
+        self._rank.record.event("Z")
         self._inner.zero_grad(set_to_none=set_to_none)
 
     def __repr__(self) -> str:
@@ -247,24 +283,37 @@ def flat(params) -> np.ndarray:
 
 
 def flat_grads(params) -> np.ndarray:
-    return np.concatenate([np.zeros(p.numel()) if p.grad is None else p.grad.detach().cpu().double().reshape(-1).numpy()
-                           for p in params])
+    return flat_tensors([p.grad for p in params], params)
 
 
-def run_ranks(step, models, shards, loss_fn, make_optimizer, grad_accum_steps):
-    """Run ``step`` on every rank for each window, each with fresh copies of its micro-batches.
+def flat_tensors(tensors, params) -> np.ndarray:
+    """Tensors shaped like ``params`` (None: zeros) as one float64 vector."""
+    return np.concatenate([np.zeros(p.numel()) if t is None else t.detach().cpu().double().reshape(-1).numpy()
+                           for t, p in zip(tensors, params, strict=True)])
 
-    Returns weights[window, rank], the gradient each rank handed ``optimizer.step()`` in each
-    window (None where it did not step exactly once), and the step and zero_grad counts.
-    """
+
+@dataclass
+class RankRun:
+    """Every rank's weights and records after each window (``weights[window, rank]``, ``records[window][rank]``)."""
+
+    weights: np.ndarray
+    records: list
+    autocast: set  # (device type, dtype) pairs the models' forwards ran under, on any rank
+    models: list
+
+    @property
+    def steps(self) -> np.ndarray:
+        return np.array([[r.steps for r in window] for window in self.records])
+
+
+def run_ranks(step, models, shards, loss_fn, make_optimizer, grad_accum_steps) -> RankRun:
+    """Run ``step`` on every rank for each window, each with fresh copies of its micro-batches."""
     num_processes = len(models)
     collective = Collective(num_processes)
     ranks = [_Rank(r, models[r], collective) for r in range(num_processes)]
     optimizers = [RankOptimizer(make_optimizer(ranks[r].params), ranks[r]) for r in range(num_processes)]
     weights = np.zeros((WINDOWS, num_processes, sum(p.numel() for p in ranks[0].params)))
-    gradients = [[None] * num_processes for _ in range(WINDOWS)]
-    steps = np.zeros((WINDOWS, num_processes), dtype=np.int64)
-    zero_grads = np.zeros((WINDOWS, num_processes), dtype=np.int64)
+    records = [[None] * num_processes for _ in range(WINDOWS)]
     errors: list = [None] * num_processes
     reached = [0] * num_processes
     # Set when the caller gives up on a stuck rank: the rank stops at its next chance instead of running on
@@ -279,16 +328,13 @@ def run_ranks(step, models, shards, loss_fn, make_optimizer, grad_accum_steps):
                 if cancelled.is_set():
                     return
                 reached[rank] = window
-                optimizer.step_calls = optimizer.zero_grad_calls = 0
-                optimizer.gradients = []
+                ranks[rank].record = WindowRecord(settings=optimizer_settings(optimizer.param_groups))
                 # Fresh copies: a loop that edits its batches (pops labels, shifts in place) works as in training.
                 step(models[rank], optimizer, copy.deepcopy(shards[rank]), loss_fn, ctx)
                 # Every rank must come back from step at the same point of the collective sequence.
                 collective.exchange(rank, "returned from step", None, lambda values: None)
                 weights[window, rank] = flat(ranks[rank].params)
-                steps[window, rank], zero_grads[window, rank] = optimizer.step_calls, optimizer.zero_grad_calls
-                if len(optimizer.gradients) == 1:
-                    gradients[window][rank] = optimizer.gradients[0]
+                records[window][rank] = ranks[rank].record
         except BaseException as exc:  # noqa: BLE001 -- anything the user's code raises goes back to the caller
             errors[rank] = exc
             collective.abort()  # release the ranks waiting at the barrier: no deadlock
@@ -307,7 +353,8 @@ def run_ranks(step, models, shards, loss_fn, make_optimizer, grad_accum_steps):
                 f"rank {rank} of {num_processes} has not returned from step after {JOIN_TIMEOUT_S:g} s "
                 f"(window {reached[rank] + 1}); is it stuck in a loop or waiting for something?")
     _raise_rank_errors(errors, collective, num_processes, reached)
-    return weights, gradients, steps, zero_grads
+    return RankRun(weights=weights, records=records, autocast=set().union(*(r.autocast for r in ranks)),
+                   models=models)
 
 
 def _raise_rank_errors(errors, collective, num_processes, reached) -> None:
@@ -322,6 +369,6 @@ def _raise_rank_errors(errors, collective, num_processes, reached) -> None:
     for rank, exc in enumerate(errors):
         if exc is not None:
             raise AccumulationCheckError(
-                f"rank {rank} of {num_processes} waited more than {COLLECTIVE_TIMEOUT_S:g} s at a collective "
-                "call (ctx.backward(), optimizer.step() or ctx.all_reduce_sum()) that another rank never "
+                f"rank {rank} of {num_processes} waited more than {_collective.COLLECTIVE_TIMEOUT_S:g} s at a "
+                "collective call (ctx.backward(), optimizer.step() or ctx.all_reduce_sum()) that another rank never "
                 "reached") from exc

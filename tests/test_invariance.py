@@ -25,6 +25,7 @@ from gaccum_check.invariance_runs import (
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_causal_lm.py"
+DOCS = ROOT / "docs" / "check_accumulation.md"
 SCRIPT_FLAGS = "--grad_accum_steps {grad_accum_steps} --micro_batch_size {micro_batch_size} --no_check --cpu"
 TOL = 1e-4
 
@@ -249,6 +250,7 @@ def test_the_command_line_passes_the_take_home_script_on_one_and_two_processes(t
     for line in ("1 process (GA=4): passed  14 updates (full batch 14)", "2 processes (GA=4): passed  8 updates"):
         assert line in done.stdout, done.stdout
     assert "logged losses by 0.0e+00" in done.stdout  # the printed losses were read and compared
+    assert _documented_outputs()[0] in done.stdout  # the page prints what the command prints
 
 
 @pytest.mark.real
@@ -256,12 +258,20 @@ def test_the_command_line_passes_the_take_home_script_on_one_and_two_processes(t
 def test_the_naive_variant_fails_named_and_the_command_line_says_so(tmp_path):
     naive = _variant(tmp_path, "accelerator.backward(loss_sum * scale / targets)",
                      "accelerator.backward(loss_sum / batch['labels'][:, 1:].ne(IGNORE_INDEX).sum())")
-    command = [sys.executable, "-m", "gaccum_check", "invariance", "--processes", "1", "--",
+    command = [sys.executable, "-m", "gaccum_check", "invariance", "--processes", "1", "2", "--",
                "python", str(naive), *SCRIPT_FLAGS.split()]
     done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "- micro-batches weighted unequally: " in done.stdout, done.stdout
     assert "mean of micro-batch means" in done.stdout
+    assert _documented_outputs()[1] in done.stdout
+
+
+def _documented_outputs():
+    import re
+
+    section = DOCS.read_text().split("## Checking real training code by invariance", 1)[1]
+    return re.findall(r"```text\n(.*?)```", section, re.S)[:2]
 
 
 @pytest.mark.real
