@@ -1,197 +1,56 @@
 """Plots for the lessons: weight trajectories, paths over loss contours, losses, distances.
 
-Accessible by default: the Okabe-Ito colour-blind-safe palette, a distinct line style and
-marker per strategy (so the plots also read in grey), 12 pt text and none under 10 pt. Every
-function draws on axes it is given (or makes its own) and returns them, so widgets can
-redraw in place and tests can inspect what was drawn.
+Drawn in the suite's style (:mod:`gaccum_course.style`: the Okabe-Ito palette, a line style and
+marker per strategy, no text under 10 pt). Every function draws on axes it is given (or makes
+its own) and returns them, so tests can inspect what was drawn; the explorers draw the same
+plots once and update them in place (:mod:`gaccum_course.live_plots`).
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
-
-import matplotlib
-import matplotlib.layout_engine
 import matplotlib.pyplot as plt
 import matplotlib.ticker
 import numpy as np
-import torch
 
-# Okabe & Ito (2008): distinguishable with every common colour-vision deficiency.
-OKABE_ITO = {
-    "black": "#000000", "orange": "#E69F00", "sky": "#56B4E9", "green": "#009E73",
-    "yellow": "#F0E442", "blue": "#0072B2", "vermillion": "#D55E00", "purple": "#CC79A7",
-}
+from .live_plots import DistanceFromReferencePlot, WeightPathPlot, WeightTrajectoriesPlot, weight_path_limits
+from .style import (
+    OKABE_ITO,
+    RC,
+    STYLES,
+    _axes,
+    _label_update_axes,
+    _log2_x_at,
+    _markevery,
+    _styles_and_labels,
+    apply_style,
+    legend_below,
+    style_for,
+)
 
-STYLES = {
-    "full_batch": dict(color=OKABE_ITO["black"], linestyle="-", marker="o", linewidth=2.4),
-    "mean_of_means": dict(color=OKABE_ITO["vermillion"], linestyle="--", marker="s", linewidth=2.0),
-    "sum_of_means": dict(color=OKABE_ITO["purple"], linestyle="-.", marker="^", linewidth=2.0),
-    "token_normalised": dict(color=OKABE_ITO["sky"], linestyle=":", marker="D", linewidth=2.6),
-    "token_local_count": dict(color=OKABE_ITO["orange"], linestyle=(0, (5, 2, 1, 2)), marker="v", linewidth=2.0),
-    "token_no_world_scale": dict(color=OKABE_ITO["green"], linestyle=(0, (1, 1)), marker="P", linewidth=2.0),
-}
-_FALLBACK = [OKABE_ITO[c] for c in ("blue", "orange", "green", "purple", "yellow")]
-
-RC = {
-    "font.size": 12, "axes.titlesize": 13, "axes.labelsize": 12, "legend.fontsize": 11,
-    "xtick.labelsize": 11, "ytick.labelsize": 11, "figure.dpi": 90, "axes.grid": True, "grid.alpha": 0.3,
-}
-
-
-def apply_style() -> None:
-    """Readable defaults for every figure of the session."""
-    plt.rcParams.update(RC)
-
-
-def style_for(key: str, index: int = 0) -> dict:
-    """Line style for a strategy name; other keys get distinct palette colours and dashes."""
-    if key in STYLES:
-        return dict(STYLES[key])
-    dashes = ["-", "--", "-.", ":"]
-    return dict(color=_FALLBACK[index % len(_FALLBACK)], linestyle=dashes[index % 4], marker="o", linewidth=2.0)
-
-
-def _axes(ax, ncols=1, figsize=(7, 4)):
-    if ax is not None:
-        return ax
-    apply_style()
-    fig, axes = plt.subplots(1, ncols, figsize=figsize, layout="constrained")
-    return axes
-
-
-def _styles_and_labels(trajectories: dict) -> list:
-    """(style, label) per trajectory, in order.
-
-    A key that is the trajectory's strategy gets the strategy's fixed style and label; any
-    other key (e.g. "plain: loss / GA") is the label, still drawn in the strategy's style.
-    A strategy drawn twice (simulator and real run) gets a palette style the second time.
-    """
-    out, used = [], set()
-    for i, (key, t) in enumerate(trajectories.items()):
-        label = t.label if key == t.strategy else str(key)
-        style = style_for(t.strategy, i) if t.strategy not in used else style_for(f"other-{i}", i)
-        used.add(t.strategy)
-        out.append((style, label))
-    return out
-
-
-def _label_update_axes(ax, ylabel: str, title: str) -> None:
-    """Axes whose x is the optimizer update: whole-number ticks only."""
-    ax.set_xlabel("optimizer update")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-
-
-def legend_below(figure, ax, ncol: int = 3) -> None:
-    """One legend for the whole figure, under the panels, where it hides no data."""
-    handles, labels = ax.get_legend_handles_labels()
-    if isinstance(figure.get_layout_engine(), matplotlib.layout_engine.ConstrainedLayoutEngine):
-        # Constrained layout makes room itself (and ignores subplots_adjust).
-        figure.legend(handles, labels, loc="outside lower center", ncol=ncol, frameon=False)
-        return
-    figure.legend(handles, labels, loc="lower center", ncol=ncol, frameon=False)
-    figure.subplots_adjust(bottom=0.26, wspace=0.3)
-
-
-def _log2_x_at(ax, ticks) -> None:
-    """A base-2 log x axis labelled at exactly ``ticks`` (GA values, row lengths), as plain numbers."""
-    ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(list(ticks)))
-    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
-    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-
-
-def _markevery(n: int) -> int:
-    return max(1, n // 12)
+__all__ = [  # what the lessons import from here, the style and the draw-once plots included
+    "OKABE_ITO", "RC", "STYLES", "apply_style", "legend_below", "style_for",
+    "DistanceFromReferencePlot", "WeightPathPlot", "WeightTrajectoriesPlot", "weight_path_limits",
+    "plot_count_error", "plot_distance_from_reference", "plot_error_vs_ga", "plot_lengths", "plot_logged_losses",
+    "plot_losses", "plot_memory", "plot_precision_vs_ga", "plot_weight_path", "plot_weight_trajectories",
+]
 
 
 def plot_weight_trajectories(trajectories: dict, ax=None, *, component_names=None, legend: bool = True):
     """Each weight after every optimizer update, one panel per weight, one line per strategy."""
     first = next(iter(trajectories.values()))
     num_weights = first.weights.shape[1]
-    names = component_names or ([f"w[{i}]" for i in range(num_weights)] if num_weights > 1 else ["w"])
     axes = np.atleast_1d(_axes(ax, ncols=num_weights, figsize=(5.2 * num_weights, 3.8)))
-    if len(axes) != num_weights:
-        raise ValueError(f"ax must hold one axes per weight ({num_weights}), got {len(axes)}")
-    for panel, (axis, name) in enumerate(zip(axes, names, strict=True)):
-        for t, (style, label) in zip(trajectories.values(), _styles_and_labels(trajectories), strict=True):
-            steps = np.arange(len(t.weights))
-            axis.plot(steps, t.weights[:, panel], label=label, markevery=_markevery(len(steps)), markersize=6, **style)
-        _label_update_axes(axis, name, f"{name} after each update")
+    WeightTrajectoriesPlot(axes, component_names=component_names).update(trajectories)
     if legend:
         axes[0].legend(loc="best")
     return axes
-
-
-@lru_cache(maxsize=32)
-def _loss_grid(spec_key, lo0, hi0, lo1, hi1, resolution):
-    """Mean loss over the whole dataset on a resolution x resolution grid of the two weights."""
-    from torch.func import functional_call, vmap
-
-    from gaccum_lib.data import make_problem
-
-    problem = make_problem(dict(spec_key))
-    model = problem.make_model()
-    batch = problem.collate(list(problem.examples))
-    (name, param), = model.named_parameters()
-    a = np.linspace(lo0, hi0, resolution)
-    b = np.linspace(lo1, hi1, resolution)
-    w0, w1 = np.meshgrid(a, b)
-    grid_weights = torch.tensor(np.stack([w0.ravel(), w1.ravel()], axis=1), dtype=param.dtype)
-
-    def mean_loss(flat):
-        # The model called with these weights instead of its own: one batched pass for the grid.
-        call = lambda inputs: functional_call(model, {name: flat.view_as(param)}, (inputs,))
-        total, count = problem.loss_sum_and_count(call, batch)
-        return total / count
-
-    with torch.no_grad():
-        losses = vmap(mean_loss)(grid_weights)
-    return a, b, losses.double().numpy().reshape(resolution, resolution)
-
-
-def _spec_key(spec: dict):
-    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in spec.items()))
 
 
 def plot_weight_path(problem, trajectories: dict, ax=None, *, resolution: int = 41, margin: float = 0.25,
                      legend: bool = True):
     """The path of the weights over the loss surface: contours for 2 weights, a loss curve for 1."""
     ax = _axes(ax, figsize=(6, 4.6))
-    all_w = np.concatenate([t.weights for t in trajectories.values()])
-    lo, hi = all_w.min(axis=0), all_w.max(axis=0)
-    pad = np.maximum((hi - lo) * margin, 0.05)
-    lo, hi = lo - pad, hi + pad
-    if all_w.shape[1] == 1:
-        ws = np.linspace(lo[0], hi[0], 200)
-        model = problem.make_model()
-        losses = []
-        with torch.no_grad():
-            for w in ws:
-                torch.nn.utils.vector_to_parameters(torch.tensor([w], dtype=torch.float32), model.parameters())
-                losses.append(problem.full_loss(model))
-        ax.plot(ws, losses, color="0.6", linewidth=1.5, label="loss over the whole data")
-        for t, (style, label) in zip(trajectories.values(), _styles_and_labels(trajectories), strict=True):
-            ys = np.interp(t.weights[:, 0], ws, losses)
-            ax.plot(t.weights[:, 0], ys, label=label, markersize=7, **style)
-        ax.set_xlabel("w")
-        ax.set_ylabel("loss")
-    elif all_w.shape[1] == 2:
-        a, b, grid = _loss_grid(_spec_key(problem.spec), lo[0], hi[0], lo[1], hi[1], resolution)
-        contours = ax.contour(a, b, grid, levels=14, colors="0.55", linewidths=0.8)
-        ax.clabel(contours, fontsize=10, fmt="%.2f")
-        for t, (style, label) in zip(trajectories.values(), _styles_and_labels(trajectories), strict=True):
-            ax.plot(t.weights[:, 0], t.weights[:, 1], label=label, markevery=_markevery(len(t.weights)),
-                    markersize=6, **style)
-        start = next(iter(trajectories.values())).weights[0]
-        ax.annotate("start", start, textcoords="offset points", xytext=(6, 6), fontsize=11)
-        ax.set_xlabel("w[0]")
-        ax.set_ylabel("w[1]")
-    else:
-        raise ValueError(f"plot_weight_path draws 1 or 2 weights; these trajectories have {all_w.shape[1]}")
-    ax.set_title("path of the weights over the loss")
+    WeightPathPlot(ax, resolution=resolution, margin=margin).update(problem, trajectories)
     if legend:
         ax.legend(loc="best")
     return ax
@@ -212,19 +71,7 @@ def plot_distance_from_reference(trajectories: dict, reference, ax=None, *, floo
                                   tolerance: float = 1e-6):
     """Distance of each run's weights from the reference run after every update (log scale)."""
     ax = _axes(ax)
-    for t, (style, label) in zip(trajectories.values(), _styles_and_labels(trajectories), strict=True):
-        if t is reference:
-            continue
-        distance = np.maximum(t.distance_from(reference), floor)
-        ax.semilogy(np.arange(len(distance)), distance, label=label, markevery=_markevery(len(distance)), **style)
-    # Decades only: minor ticks on a log axis cost more to draw than the data (widget speed).
-    ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(numticks=8))
-    ax.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-    # The suite's "equal" (float32 rounding after a few updates is ~1e-7, float64's ~1e-15).
-    ax.axhline(tolerance, color="0.5", linewidth=1, linestyle="--")
-    ax.text(0.99, tolerance * 1.4, f"{tolerance:.0e}: tolerance for equal", fontsize=10, color="0.35", ha="right",
-            transform=ax.get_yaxis_transform())
-    _label_update_axes(ax, "distance to full batch", "how far from the full-batch run")
+    DistanceFromReferencePlot(ax, floor=floor, tolerance=tolerance).update(trajectories, reference)
     if legend:
         ax.legend(loc="best")
     return ax

@@ -163,3 +163,13 @@ def test_lesson_08_plots_draw_what_they_are_given():
     assert [line.get_label() for line in ax.get_lines()] == ["gradients added in float32", "gradients added in bf16"]
     assert_readable(ax.figure)
     plt.close("all")
+
+
+def test_the_style_and_the_drawn_once_plots_are_still_imported_from_plots():
+    # The lessons import them from gaccum_course.plots (and the explorers from .widgets) since before the split.
+    from gaccum_course import explorer, live_plots, style, widgets
+
+    assert all(hasattr(plots, name) for name in plots.__all__)
+    assert all(hasattr(widgets, name) for name in widgets.__all__)
+    assert plots.WeightPathPlot is live_plots.WeightPathPlot and plots.legend_below is style.legend_below
+    assert widgets.Explorer is explorer.Explorer and widgets.Drawing is explorer.Drawing

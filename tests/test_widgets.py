@@ -1,8 +1,12 @@
 """The explorers: state a test can read, plots that change, errors that are clear and survivable."""
 
+import matplotlib
 import numpy as np
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg, RendererAgg
 
+from gaccum_course import _canvas
+from gaccum_course.style import RC
 from gaccum_course.widgets import (
     Explorer,
     launch_explorer,
@@ -126,3 +130,117 @@ def test_epochs_control_sets_the_number_of_updates():
     _, three = explorer.set(epochs=3).result
     assert three["token_normalised"].num_updates == 3 * one["token_normalised"].num_updates
     assert explorer.state.summary.startswith(f"{three['full_batch'].num_updates} updates")
+
+
+# Draw once, then update (issue 23): for each explorer a move A, a move B, changing data and limits.
+MOVES = {
+    "regression": (regression_explorer, dict(grad_accum_steps=1, epochs=1),
+                   dict(grad_accum_steps=8, lr=0.01, epochs=5)),
+    "variable_length": (variable_length_explorer, dict(grad_accum_steps=8, spread=0.0),
+                        dict(num_processes=3, spread=1.0, micro_batch_size=1, epochs=2)),
+    "schedule": (schedule_explorer, dict(grad_accum_steps=8), dict(num_processes=1, epochs=4)),
+    "trainer_count": (trainer_count_explorer, dict(mean_length=128), dict(mean_length=4, spread=0.0,
+                                                                          grad_accum_steps=32)),
+}
+
+
+def drawn_afresh_at(make, values) -> Explorer:
+    """An explorer whose figure was built from scratch with ``values`` (no earlier picture under it)."""
+    explorer = make(strict=True)
+    explorer.set(**values)
+    explorer.draw.reset()
+    explorer.refresh()
+    assert explorer.draw.builds == 2
+    return explorer
+
+
+@pytest.mark.parametrize("name", MOVES)
+def test_a_slider_move_updates_the_figure_without_building_it_again(name):
+    make, a, b = MOVES[name]
+    explorer = make(strict=True)
+    figure, first = explorer.figure, explorer.pixels()
+    axes, legends = list(figure.axes), list(figure.legends)
+    lines = [list(ax.get_lines()) for ax in axes]
+    explorer.set(**a)
+    explorer.set(**b)
+    assert explorer.draw.builds == 1 and explorer.state.refreshes == 3
+    assert explorer.figure is figure and len(figure.axes) == len(axes)
+    assert all(now is then for now, then in zip(figure.axes, axes, strict=True))
+    assert all(now is then for now, then in zip(figure.legends, legends, strict=True))
+    assert [list(ax.get_lines()) for ax in axes] == lines  # the same line objects, new data
+    moved = explorer.pixels()
+    assert (moved != first).any()
+    # The same picture as a figure drawn where the controls are from scratch: nothing of the first
+    # picture's or of A's lines, limits, ticks or surface stays.
+    np.testing.assert_array_equal(moved, drawn_afresh_at(make, explorer.values).pixels())
+
+
+def test_a_control_that_leaves_the_data_as_it_was_reuses_the_simulations():
+    explorer = variable_length_explorer(strict=True)
+    first, runs, corpora = explorer.pixels(), explorer.simulations.calls, explorer.corpora.calls
+    assert (runs, corpora) == (3, 1)
+    explorer.set(grad_accum_steps=8)  # three new runs on the same corpus
+    assert (explorer.simulations.calls, explorer.corpora.calls) == (runs + 3, corpora)
+    explorer.set(grad_accum_steps=4)  # back where it was: nothing simulated again
+    assert (explorer.simulations.calls, explorer.corpora.calls) == (runs + 3, corpora)
+    assert explorer.state.refreshes == 3 and explorer.draw.builds == 1
+    np.testing.assert_array_equal(explorer.pixels(), first)
+
+    regression = regression_explorer(strict=True)
+    calls = regression.simulations.calls
+    regression.set(grad_accum_steps=2)
+    regression.set(grad_accum_steps=4)
+    assert regression.simulations.calls == calls + 3
+
+
+def test_a_bad_value_in_a_drawn_once_explorer_shows_the_error_and_keeps_the_last_picture():
+    explorer = regression_explorer()  # not strict: as in a notebook
+    compute = explorer.compute
+
+    def refusing_seven(**values):
+        if values["epochs"] == 7:
+            raise ValueError("epochs must not be 7 (a demonstration)")
+        return compute(**values)
+
+    explorer.compute = refusing_seven
+    explorer.set(epochs=5)
+    last, summary = explorer.pixels(), explorer.state.summary
+    explorer.set(epochs=7)
+    assert explorer.state.error == "epochs must not be 7 (a demonstration)"
+    assert "epochs must not be 7" in explorer.message.value
+    np.testing.assert_array_equal(explorer.pixels(), last)
+    assert explorer.state.summary == summary and explorer.draw.builds == 1
+    explorer.set(epochs=2)  # and the next good value draws as if the error never was
+    assert explorer.state.error is None and explorer.message.value == ""
+    np.testing.assert_array_equal(explorer.pixels(), drawn_afresh_at(regression_explorer, dict(epochs=2)).pixels())
+
+
+# The explorers' canvas remembers how it drew text (gaccum_course._canvas): the pixels must be plain Agg's.
+def plain_agg_pixels(figure) -> np.ndarray:
+    canvas = FigureCanvasAgg(figure)  # the figure's canvas from now on
+    with matplotlib.rc_context(RC):
+        canvas.draw()
+    return np.asarray(canvas.buffer_rgba()).copy()
+
+
+@pytest.mark.parametrize("name", MOVES)
+def test_the_explorers_canvas_draws_the_pixels_of_plain_agg(name):
+    make, a, b = MOVES[name]
+    explorer = make(strict=True)
+    explorer.set(**a)
+    explorer.set(**b)  # text drawn again from the caches, much of it elsewhere (new ticks, limits, labels)
+    assert isinstance(explorer.canvas.get_renderer(), _canvas._TextCachingRenderer) == _canvas._TEXT_CACHE
+    np.testing.assert_array_equal(explorer.pixels(), plain_agg_pixels(explorer.figure))
+
+
+def test_without_matplotlibs_internals_the_explorers_draw_with_plain_agg(monkeypatch):
+    assert _canvas.text_internals_available() == _canvas._TEXT_CACHE
+    explorer = variable_length_explorer(strict=True)
+    explorer.set(spread=1.0)
+    cached = explorer.pixels()
+    monkeypatch.setattr(_canvas, "_TEXT_CACHE", False)
+    explorer.refresh()
+    assert type(explorer.canvas.get_renderer()) is RendererAgg
+    np.testing.assert_array_equal(explorer.pixels(), cached)
+    monkeypatch.delattr(RendererAgg, "_prepare_font")  # a Matplotlib without one of them
+    assert not _canvas.text_internals_available()
