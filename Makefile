@@ -98,7 +98,7 @@ notebooks: $(STAMP)
 # The lessons that launch processes, in kernels that Accelerate takes for Colab's (an IPython start-up
 # script changes what str(get_ipython()) says; Accelerate reads nothing else): there notebook_launcher
 # forks nothing below 2 GPUs, and the lessons must start real processes another way, same figures.
-COLAB_LESSONS := 04_many_processes 05_capstone_language_model 06_pitfalls_gallery 08_your_real_stack 09_schedulers_across_processes
+COLAB_LESSONS := 04_many_processes 05_capstone_language_model 06_pitfalls_gallery 08_your_real_stack 09_schedulers_across_processes 10_past_ddp
 colab: $(STAMP)
 	rm -rf build/colab && mkdir -p build/colab/run build/colab/ipython/profile_default/startup
 	for lesson in $(COLAB_LESSONS); do cp notebooks/$$lesson.ipynb build/colab/run/; done

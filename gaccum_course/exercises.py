@@ -315,6 +315,37 @@ def _trainer_counts_after_shift(answer) -> Feedback:
                            "hint: which attribute does the Trainer read to decide whether the loss shifts?")
 
 
+def _fsdp_gradient_gib(answer) -> Feedback:
+    """10.1: 8e9 bf16 gradients: the whole gradient with sync off, a 1/8 shard with sync on."""
+    if not isinstance(answer, tuple | list) or len(answer) != 2:
+        raise TypeError("give a pair (sync_off_gib, sync_on_gib), e.g. (10.0, 2.5)")
+    off, on = (float(x) for x in answer)
+    whole = 8e9 * 2 / 2**30
+    if abs(off - whole) < 0.02 * whole and abs(on - whole / 8) < 0.02 * whole / 8:
+        return Feedback(True, f"correct! {whole:.1f} GiB of unsharded gradient with sync off, a {whole / 8:.2f} GiB "
+                              "shard with sync on: the unsharded one does not shrink with more GPUs")
+    if abs(off - 16) < 0.2 and abs(on - 2) < 0.05:
+        return Feedback(False, "not quite: those are GB (10^9 bytes); a GiB is 2^30 bytes")
+    if abs(on - whole) < 0.02 * whole and abs(off - whole / 8) < 0.02 * whole / 8:
+        return Feedback(False, "not quite: the other way round; with sync off the process keeps the whole gradient")
+    return Feedback(False, "not quite: sync off keeps every weight's gradient (8e9 x 2 bytes) on each GPU; sync on "
+                           "keeps that GPU's shard, 1/8 of it")
+
+
+def _deepspeed_double_division(answer) -> Feedback:
+    """10.2: loss / N / GA, then the engine's / GA and the mean over 2 processes: 1 / (GA^2 P) of the right one."""
+    answer = float(answer)
+    if abs(answer - 1 / 32) < 1e-4:
+        return Feedback(True, "correct! 1/32: divided by GA twice (yours and the engine's) and averaged over 2 "
+                              "processes without the x P; the right loss is loss_sum x GA x P / N")
+    if abs(answer - 1 / 16) < 1e-4:
+        return Feedback(False, "not quite: GA twice is 1/16; what does averaging over the 2 processes add?")
+    if abs(answer - 1 / 8) < 1e-4 or abs(answer - 1 / 4) < 1e-4:
+        return Feedback(False, "not quite: engine.backward divides by GA too, on top of the loop's own / GA")
+    return Feedback(False, "not quite: follow the loss: the loop's / N / GA, the engine's / GA, DDP's mean over "
+                           "processes; compare with the full batch's loss_sum / N")
+
+
 CHECKS = {
     "00.2": _unscaled_factor,
     "01.1": _equal_split_exact,
@@ -332,6 +363,8 @@ CHECKS = {
     "08.1": _gpt2_trainer_fraction,
     "08.2": _trainer_counts_after_shift,
     "09.1": _scheduler_steps_three_processes,
+    "10.1": _fsdp_gradient_gib,
+    "10.2": _deepspeed_double_division,
 }
 
 

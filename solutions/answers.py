@@ -40,4 +40,6 @@ ANSWERS = {
     "08.1": 0.98,                       # 49 targets per 50 labels in every row
     "08.2": my_trainer_fix,             # loss_type = "ForCausalLM": the Trainer counts labels[..., 1:]
     "09.1": 252,                        # 2 epochs x 3 processes x ceil(ceil(1000 / 3) / 8) = 2 x 3 x 42
+    "10.1": (14.9, 1.86),               # 8e9 x 2 bytes / 2^30 unsharded, and that / 8 GPUs as a shard
+    "10.2": 1 / 32,                     # / GA twice (the loop's and the engine's), and no x 2 for DDP's mean
 }

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STARTUP = ROOT / "tests" / "colab" / "kernel_startup.py"
 EXECUTED = Path(os.environ.get("GACCUM_COLAB_EXECUTED", ROOT / "build" / "colab" / "run"))
 LAUNCHING = ("04_many_processes.ipynb", "05_capstone_language_model.ipynb", "06_pitfalls_gallery.ipynb",
-             "08_your_real_stack.ipynb", "09_schedulers_across_processes.ipynb")
+             "08_your_real_stack.ipynb", "09_schedulers_across_processes.ipynb", "10_past_ddp.ipynb")
 
 
 def test_the_startup_script_makes_accelerate_see_colab_and_the_lessons_see_no_fork(monkeypatch):
@@ -70,6 +70,14 @@ def test_lessons_08_and_09_launch_two_processes_in_a_colab_kernel():
     schedulers = _outputs("09_schedulers_across_processes.ipynb")
     assert "2 processes  12 batches per rank, scheduler steps after each update: [2, 4, 6]" in schedulers
     assert "all-reduces after each update: default [1, 2, 3], sync_each_batch [4, 8, 12]" in schedulers
+
+
+@pytest.mark.colab_outputs
+def test_lesson_10_runs_fsdp_and_deepspeed_on_two_processes_in_a_colab_kernel():
+    past_ddp = _outputs("10_past_ddp.ipynb")
+    assert "collectives per update {'all_gather_single': 24, 'reduce_scatter_single': 3}" in past_ddp
+    assert "gradient elements held after each backward of the first window [369, 369, 369, 193]" in past_ddp
+    assert "accumulate()'s sync_gradients: 4 updates, largest weight difference from the full batch" in past_ddp
 
 
 _KERNEL_THAT_LAUNCHES = """

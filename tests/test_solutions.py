@@ -29,7 +29,7 @@ WRONG = {"00.2": 2, "01.1": 2.04, "01.2": 0.02, "02.1": [3, 6, 9], "03.2": [1, 2
          "05.1": 1835, "05.2": 2, "05.3": _naive_accumulation_step, "05.4": "mean_of_means", "06.2": "no update",
          "07.2": ("larger", "larger"), "07.3": 36.1,
          "08.1": 50 / 49, "08.2": lambda model: model,
-         "09.1": 250}  # 07.3: the slower time / GA, other work included
+         "09.1": 250, "10.1": (16, 2), "10.2": 1 / 16}  # 07.3: the slower time / GA, other work included
 
 
 def _check_cells():
@@ -70,7 +70,7 @@ def test_no_answer_and_nonsense_answers():
 
 def test_the_solutions_readme_answers_every_exercise():
     text = (ROOT / "solutions" / "README.md").read_text()
-    for path in sorted((ROOT / "notebooks").glob("0*.ipynb")):
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
         assert f"## {path.stem}" in text, f"solutions/README.md has no section for {path.name}"
 
 
@@ -245,13 +245,20 @@ def _numbers_07():
             f"Dividing {without:.1f} ms by {ga} ({without / ga:.1f} ms)"]
 
 
+def _numbers_10():
+    gib = 8e9 * 2 / 2**30
+    assert ANSWERS["10.1"] == (round(gib, 1), round(gib / 8, 2))
+    return [f"**{gib:.1f} GiB with sync off, {gib / 8:.2f} GiB with sync on**", "8 x 10^9 x 2 bytes / 2^30",
+            f"**1/{round(1 / ANSWERS['10.2'])}**", "`loss_sum x GA x P / N`"]
+
+
 README_NUMBERS = {"00": _numbers_00, "01": _numbers_01, "02": _numbers_02, "03": _numbers_03, "04": _numbers_04,
                   "05": _numbers_05, "06": _numbers_06, "07": _numbers_07, "08": _numbers_08,
-                  "09": _numbers_09}
+                  "09": _numbers_09, "10": _numbers_10}
 
 
 def test_the_readme_numbers_cover_every_lesson():
-    lessons = {path.name[:2] for path in (ROOT / "notebooks").glob("0*.ipynb")}
+    lessons = {path.name[:2] for path in (ROOT / "notebooks").glob("*.ipynb")}
     assert lessons == set(README_NUMBERS)
 
 
