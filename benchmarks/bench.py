@@ -21,6 +21,7 @@ Sections:
   allreduce          all-reduce rounds per update and time with no_sync vs without, 2 real processes
   memory             peak memory of one update as the effective batch grows: big batch vs accumulation
   simulator          simulator vs a real multi-process launch for the same result (time ratio)
+  check              check_accumulation's time on tiny_lm(16), 4 micro-batches, 1 and 2 processes (first call, median)
   widgets            widget answer time (compute + redraw), median and worst
   notebooks          each notebook's nbmake time as a multiple of a bare notebook's (import torch)
 """
@@ -233,6 +234,49 @@ def bench_simulator(quick: bool) -> dict:
     sim, launched = _median_ms(times["simulated"]), _median_ms(times["real"])
     return {"simulated_ms": sim, "real_launch_ms": launched, "real_over_simulated": launched / sim,
             "same_result_max_diff": results["real"].max_difference(results["simulated"])}
+
+
+# Run in a fresh interpreter, so the first call's cost is what a learner's first call pays (imports included).
+CHECK_SCRIPT = """
+import json, statistics, sys, time
+start = time.perf_counter()
+from gaccum_check import check_accumulation
+from gaccum_lib import tiny_lm
+imported = time.perf_counter()
+problem = tiny_lm(16)
+micro_batches = [problem.batch_of(ix) for ix in problem.micro_batch_indices(4)]  # 4 micro-batches of 4 rows
+
+
+def token_normalised_step(model, optimizer, micro_batches, loss_fn, ctx):
+    window_targets = ctx.all_reduce_sum(sum(problem.count_targets(b) for b in micro_batches))
+    for batch in micro_batches:
+        loss_sum, _ = loss_fn(model, batch)
+        ctx.backward(loss_sum * ctx.grad_accum_steps * ctx.num_processes / window_targets)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def one_check():
+    t0 = time.perf_counter()
+    report = check_accumulation(token_normalised_step, problem.make_model, micro_batches, problem.loss_sum_and_count)
+    assert report, report
+    return (time.perf_counter() - t0) * 1000
+
+
+first = one_check()
+later = [one_check() for _ in range(int(sys.argv[1]))]
+print(json.dumps({"import_ms": (imported - start) * 1000, "first_call_ms": first,
+                  "median_ms": statistics.median(later), "fastest_ms": min(later), "calls": len(later)}))
+"""
+
+
+def bench_check(quick: bool) -> dict:
+    result = subprocess.run([sys.executable, "-c", CHECK_SCRIPT, "5" if quick else "15"], cwd=ROOT,
+                            capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"the check_accumulation benchmark failed:\n{result.stderr[-2000:]}")
+    return {"model": "tiny_lm(16)", "micro_batches": 4, "rows_per_micro_batch": 4, "num_processes": [1, 2],
+            **json.loads(result.stdout.strip().splitlines()[-1])}
 
 
 def bench_widgets(quick: bool) -> dict:

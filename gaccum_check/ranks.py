@@ -28,6 +28,7 @@ from gaccum_lib.simulate import mean_over_ranks
 
 from . import collective as _collective
 from .collective import AccumulationCheckError, Collective, _CollectiveError, _sum_values, processes_text
+from .copies import fresh_copy
 
 # The user's step runs for two windows in a row: one window cannot show that gradients (or
 # any other state) leak from one optimizer update into the next.
@@ -279,7 +280,8 @@ class RankOptimizer(torch.optim.Optimizer):
 
 def flat(params) -> np.ndarray:
     """All parameters as one float64 vector (a copy)."""
-    return np.concatenate([p.detach().cpu().double().reshape(-1).numpy() for p in params])
+    # One conversion a parameter and one concatenation (not four conversions and numpy's): flat runs on every rank.
+    return torch.cat([p.detach().reshape(-1).to("cpu", torch.float64) for p in params]).numpy()
 
 
 def flat_grads(params) -> np.ndarray:
@@ -288,8 +290,9 @@ def flat_grads(params) -> np.ndarray:
 
 def flat_tensors(tensors, params) -> np.ndarray:
     """Tensors shaped like ``params`` (None: zeros) as one float64 vector."""
-    return np.concatenate([np.zeros(p.numel()) if t is None else t.detach().cpu().double().reshape(-1).numpy()
-                           for t, p in zip(tensors, params, strict=True)])
+    return torch.cat([torch.zeros(p.numel(), dtype=torch.float64) if t is None
+                      else t.detach().reshape(-1).to("cpu", torch.float64)
+                      for t, p in zip(tensors, params, strict=True)]).numpy()
 
 
 @dataclass
@@ -330,7 +333,7 @@ def run_ranks(step, models, shards, loss_fn, make_optimizer, grad_accum_steps) -
                 reached[rank] = window
                 ranks[rank].record = WindowRecord(settings=optimizer_settings(optimizer.param_groups))
                 # Fresh copies: a loop that edits its batches (pops labels, shifts in place) works as in training.
-                step(models[rank], optimizer, copy.deepcopy(shards[rank]), loss_fn, ctx)
+                step(models[rank], optimizer, [fresh_copy(b) for b in shards[rank]], loss_fn, ctx)
                 # Every rank must come back from step at the same point of the collective sequence.
                 collective.exchange(rank, "returned from step", None, lambda values: None)
                 weights[window, rank] = flat(ranks[rank].params)

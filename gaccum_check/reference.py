@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .copies import fresh_copy
 from .inputs import build_model, checked_loss, trainable
 from .ranks import flat, flat_grads, optimizer_settings
 
@@ -36,6 +37,9 @@ FLOOR_EPS = 4.0
 # flushes small activation gradients (its smallest normal number is 6.1e-5) unless a GradScaler scales the
 # loss, 5-7 units there, so it gets twice the margin.
 PRECISION_UNITS = {torch.bfloat16: 8.0, torch.float16: 16.0}
+# The whole window's loss must equal the sum of its micro-batches' to this (float32 rounding of a 16-row sum is
+# ~1e-6) before one pass over the whole window stands in for the micro-batches' passes.
+ADDITIVE_RTOL = 1e-5
 # torch.nn.utils.clip_grad_norm_ divides max_norm by (total norm + this).
 CLIP_EPS = 1e-6
 
@@ -48,7 +52,7 @@ def _gradients(model, params, micro_batches, loss_fn):
         for k, batch in enumerate(micro_batches):
             for p in params:
                 p.grad = None
-            loss, count = checked_loss(loss_fn(model, copy.deepcopy(batch)), k)
+            loss, count = checked_loss(loss_fn(model, fresh_copy(batch)), k)
             loss.backward()
             grads[k] = flat_grads(params)
             counts.append(count)
@@ -56,6 +60,41 @@ def _gradients(model, params, micro_batches, loss_fn):
     for p in params:
         p.grad = None
     return grads, counts, losses
+
+
+def _additive_whole(model, micro_batches, loss_fn, losses, counts):
+    """The window as one batch when ``loss_fn`` adds up over it (one forward shows it), else None.
+
+    Window 2 needs only the window's summed gradient, not each micro-batch's: one pass over the
+    concatenated window gives it where the loss of the whole is the sum of the micro-batches' losses
+    (no batch-dependent layer, no in-batch negatives). Measured at the initial weights, in one forward.
+    """
+    if len(micro_batches) == 1:
+        return None
+    whole, _ = concatenated(micro_batches)
+    if whole is None:
+        return None
+    with torch.no_grad():
+        loss, count = checked_loss(loss_fn(model, fresh_copy(whole)), "the whole window concatenated")
+    summed = float(sum(float(x) for x in losses))
+    if count != sum(counts) or abs(float(loss) - summed) > ADDITIVE_RTOL * max(abs(summed), 1e-30):
+        return None
+    return whole
+
+
+def _summed_gradient(model, params, micro_batches, loss_fn, whole) -> np.ndarray:
+    """The gradient of the window's summed loss: one pass over ``whole`` when given, else one per micro-batch."""
+    if whole is None:
+        return _gradients(model, params, micro_batches, loss_fn)[0].sum(axis=0)
+    with torch.enable_grad():
+        for p in params:
+            p.grad = None
+        loss, _ = checked_loss(loss_fn(model, fresh_copy(whole)), "the whole window concatenated")
+        loss.backward()
+    gradient = flat_grads(params)
+    for p in params:
+        p.grad = None
+    return gradient
 
 
 def _hand(params, gradient: np.ndarray) -> None:
@@ -118,8 +157,8 @@ def nondeterminism(model, micro_batches, loss_fn) -> str | None:
     Asked only when a check fails: a model that is not deterministic cannot pass, so a pass needs no such proof.
     """
     with torch.no_grad():
-        first, _ = checked_loss(loss_fn(model, copy.deepcopy(micro_batches[0])), 0)
-        again, _ = checked_loss(loss_fn(model, copy.deepcopy(micro_batches[0])), 0)
+        first, _ = checked_loss(loss_fn(model, fresh_copy(micro_batches[0])), 0)
+        again, _ = checked_loss(loss_fn(model, fresh_copy(micro_batches[0])), 0)
     if torch.equal(first, again):
         return None
     return (f"model is not deterministic: two identical forward passes of micro-batch 0 gave losses "
@@ -327,12 +366,13 @@ def reference(model, make_optimizer, micro_batches, loss_fn, max_grad_norm=None)
         raise ValueError(f"the micro-batches' gradients cancel so much that rounding in {params[0].dtype} alone could "
                          f"move the full-batch gradient by {gradient_floor:.0%}: the check could not tell a 5 % error "
                          "from a pass; use float64 (make_model) or other micro_batches")
+    whole = None if batch_dependent else _additive_whole(model, micro_batches, loss_fn, losses, counts)
     optimizer = make_optimizer(params)
     first = grads.sum(axis=0) / total
     first_weights = Reference._step(params, optimizer, optimizer_settings(optimizer.param_groups),
                                     clipped(first, max_grad_norm))
-    second, _, _ = _gradients(model, params, micro_batches, loss_fn)
-    return Reference(w0=w0, grads=grads, counts=counts, mean_grads=np.stack([first, second.sum(axis=0) / total]),
+    second = _summed_gradient(model, params, micro_batches, loss_fn, whole)
+    return Reference(w0=w0, grads=grads, counts=counts, mean_grads=np.stack([first, second / total]),
                      eps=eps, gradient_floor=gradient_floor, cancellation=cancellation, max_grad_norm=max_grad_norm,
                      batch_dependent=batch_dependent, model=model, param_dtypes={p.dtype for p in params},
                      make_optimizer=make_optimizer, first_weights=first_weights, _live=(params, optimizer))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 # Shipped inside the package, so a wheel installed anywhere reads the same results lesson 07 shows.
 SAVED = resources.files("gaccum_course") / "saved" / "benchmarks.json"
-SECTIONS = ("strategy_cost", "time_cost", "allreduce", "memory", "simulator", "widgets", "notebooks")
+SECTIONS = ("strategy_cost", "time_cost", "allreduce", "memory", "simulator", "check", "widgets", "notebooks")
 
 
 def _strategy_cost(r: dict) -> list[str]:
@@ -48,6 +48,12 @@ def _simulator(r: dict) -> list[str]:
             f"vs {r['simulated_ms']:.1f} ms), same result to {r['same_result_max_diff']:.1e}"]
 
 
+def _check(r: dict) -> list[str]:
+    return [f"check_accumulation {r['model']}, {r['micro_batches']} micro-batches, 1 and 2 processes: median "
+            f"{r['median_ms']:.0f} ms over {r['calls']} calls (fastest {r['fastest_ms']:.0f}); the first call "
+            f"{r['first_call_ms']:.0f} ms after {r['import_ms']:.0f} ms of imports"]
+
+
 def _widgets(r: dict) -> list[str]:
     return [f"widget            {name}: median {w['median_ms']:.0f} ms, worst {w['worst_ms']:.0f} ms "
             f"over {w['changes']} changes (first display {w['first_display_ms']:.0f} ms)"
@@ -61,7 +67,7 @@ def _notebooks(r: dict) -> list[str]:
 
 
 _SECTION_LINES = {"strategy_cost": _strategy_cost, "time_cost": _time_cost, "allreduce": _allreduce, "memory": _memory,
-                  "simulator": _simulator, "widgets": _widgets, "notebooks": _notebooks}
+                  "simulator": _simulator, "check": _check, "widgets": _widgets, "notebooks": _notebooks}
 
 
 def table(results: dict) -> str:

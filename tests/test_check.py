@@ -580,3 +580,28 @@ def test_a_rank_stuck_in_user_code_times_out(monkeypatch):
 
     with pytest.raises(AccumulationCheckError, match="rank 0 of 1 has not returned from step after 0.05 s"):
         check(stuck, num_processes=1)
+
+
+def test_window_two_uses_one_pass_over_the_window_only_where_the_loss_adds_up():
+    """The reference's second window comes from one forward over the concatenated window only when that
+    forward's loss equals the sum of the micro-batches' (shown at the initial weights); else one per micro-batch."""
+    from gaccum_check.reference import _additive_whole
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    batches = [torch.randn(2, 3) for _ in range(4)]
+
+    def summed(m, b):
+        return m(b).pow(2).sum(), b.shape[0]
+
+    def scaled_by_batch(m, b):  # each row's loss depends on how many rows share its batch (in-batch negatives)
+        return m(b).pow(2).sum() * b.shape[0], b.shape[0]
+
+    for loss_fn, additive in ((summed, True), (scaled_by_batch, False)):
+        with torch.no_grad():
+            losses = [loss_fn(model, b)[0] for b in batches]
+        whole = _additive_whole(model, batches, loss_fn, losses, [2] * 4)
+        assert (whole is not None) == additive
+        if additive:
+            assert torch.equal(whole, torch.cat(batches))
+    assert _additive_whole(model, batches[:1], summed, [summed(model, batches[0])[0]], [2]) is None
