@@ -32,6 +32,7 @@ def test_readme_benchmark_table_is_the_saved_measurement():
         f"{allreduce['every_micro_batch_over_no_sync']:.2f}x",
         f"{results['simulator']['real_over_simulated']:.0f}x slower",
         f"regression {results['widgets']['regression_explorer']['median_ms']:.0f} /",
+        f"median {results['check']['median_ms']:.0f} ms, first call {results['check']['first_call_ms']:.0f} ms",
         f"({results['notebooks']['bare_notebook_s']:.1f} s)",
         f"packed rows GA 2 {results['time_cost']['packed']['over_big_batch']['2']:.2f}x",
         f"one line per row GA 2 {results['time_cost']['one_line_per_row']['over_big_batch']['2']:.2f}x",
