@@ -197,7 +197,7 @@ def check_accumulation(step, make_model, micro_batches, loss_fn, *, num_processe
         models = {p: [build_model(make_model, known, w0) for _ in range(p)] for p in process_counts}
         # The reference and each process count are independent until they are judged: they run at once
         # (torch releases the GIL in its kernels). On tiny_lm(16) the kernels are too small for that to show:
-        # 97 ms at once vs 101 ms one after the other here; a larger model gains more.
+        # 97 ms at once vs 101 ms one after the other here (larger models not measured).
         ref, runs = alongside(
             lambda: reference(reference_model, make_optimizer, micro_batches, loss_fn, max_grad_norm),
             [lambda ms=ms: run_processes(step, ms, make_optimizer, micro_batches, loss_fn) for ms in models.values()])

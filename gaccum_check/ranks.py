@@ -28,7 +28,6 @@ from gaccum_lib.simulate import mean_over_ranks
 
 from . import collective as _collective
 from .collective import AccumulationCheckError, Collective, _CollectiveError, _sum_values, processes_text
-from .copies import fresh_copy
 
 # The user's step runs for two windows in a row: one window cannot show that gradients (or
 # any other state) leak from one optimizer update into the next.
@@ -333,7 +332,7 @@ def run_ranks(step, models, shards, loss_fn, make_optimizer, grad_accum_steps) -
                 reached[rank] = window
                 ranks[rank].record = WindowRecord(settings=optimizer_settings(optimizer.param_groups))
                 # Fresh copies: a loop that edits its batches (pops labels, shifts in place) works as in training.
-                step(models[rank], optimizer, [fresh_copy(b) for b in shards[rank]], loss_fn, ctx)
+                step(models[rank], optimizer, copy.deepcopy(shards[rank]), loss_fn, ctx)
                 # Every rank must come back from step at the same point of the collective sequence.
                 collective.exchange(rank, "returned from step", None, lambda values: None)
                 weights[window, rank] = flat(ranks[rank].params)

@@ -24,7 +24,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from .copies import fresh_copy
 from .inputs import build_model, checked_loss, trainable
 from .ranks import flat, flat_grads, optimizer_settings
 
@@ -52,7 +51,7 @@ def _gradients(model, params, micro_batches, loss_fn):
         for k, batch in enumerate(micro_batches):
             for p in params:
                 p.grad = None
-            loss, count = checked_loss(loss_fn(model, fresh_copy(batch)), k)
+            loss, count = checked_loss(loss_fn(model, copy.deepcopy(batch)), k)
             loss.backward()
             grads[k] = flat_grads(params)
             counts.append(count)
@@ -75,7 +74,7 @@ def _additive_whole(model, micro_batches, loss_fn, losses, counts):
     if whole is None:
         return None
     with torch.no_grad():
-        loss, count = checked_loss(loss_fn(model, fresh_copy(whole)), "the whole window concatenated")
+        loss, count = checked_loss(loss_fn(model, copy.deepcopy(whole)), "the whole window concatenated")
     summed = float(sum(float(x) for x in losses))
     if count != sum(counts) or abs(float(loss) - summed) > ADDITIVE_RTOL * max(abs(summed), 1e-30):
         return None
@@ -89,7 +88,7 @@ def _summed_gradient(model, params, micro_batches, loss_fn, whole) -> np.ndarray
     with torch.enable_grad():
         for p in params:
             p.grad = None
-        loss, _ = checked_loss(loss_fn(model, fresh_copy(whole)), "the whole window concatenated")
+        loss, _ = checked_loss(loss_fn(model, copy.deepcopy(whole)), "the whole window concatenated")
         loss.backward()
     gradient = flat_grads(params)
     for p in params:
@@ -157,8 +156,8 @@ def nondeterminism(model, micro_batches, loss_fn) -> str | None:
     Asked only when a check fails: a model that is not deterministic cannot pass, so a pass needs no such proof.
     """
     with torch.no_grad():
-        first, _ = checked_loss(loss_fn(model, fresh_copy(micro_batches[0])), 0)
-        again, _ = checked_loss(loss_fn(model, fresh_copy(micro_batches[0])), 0)
+        first, _ = checked_loss(loss_fn(model, copy.deepcopy(micro_batches[0])), 0)
+        again, _ = checked_loss(loss_fn(model, copy.deepcopy(micro_batches[0])), 0)
     if torch.equal(first, again):
         return None
     return (f"model is not deterministic: two identical forward passes of micro-batch 0 gave losses "
