@@ -162,8 +162,8 @@ def test_readiness_takes_a_cuda_torch_without_a_gpu_and_a_lone_lesson_as_notes()
     assert problems == []
     cuda, alone = notes
     assert cuda.startswith("torch is a CUDA 12.8 build and no GPU is visible: the lessons run on the CPU")
-    assert alone.startswith("9 of the 10 lessons are not in this folder (00_start_here.ipynb, 01_why_accumulate")
-    assert readiness(_environment_with(), lessons_here=[f"{i:02d}" for i in range(10)])[1] != []  # names, not counts
+    assert alone.startswith("10 of the 11 lessons are not in this folder (00_start_here.ipynb, 01_why_accumulate")
+    assert readiness(_environment_with(), lessons_here=[f"{i:02d}" for i in range(11)])[1] != []  # names, not counts
 
 
 def test_the_floors_in_pyproject_are_the_ones_lesson_00_checks():
