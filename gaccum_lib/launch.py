@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ DEFAULT_TIMEOUT = 300.0
 #: Seconds the other ranks get, once one failed (or all returned), to end by themselves before they
 #: are killed. A rank blocked in a collective waits for its lost peer forever and never ends.
 SHUTDOWN_GRACE = 5.0
+RENDEZVOUS_RETRIES = 1  # launches started again when the processes could not connect
 
 # Errors a rank raises only because another rank died: never the root cause.
 _LOST_PEER = re.compile(r"closed by peer|reset by peer|broken pipe|pair closure|got 0 bytes|remote process exited|"
@@ -115,7 +117,10 @@ def _rank(rank: int, folder: str, world: int, backend: str, parent_pid: int, fun
         if backend == "nccl":
             torch.cuda.set_device(rank)
         store = torch.distributed.FileStore(str(Path(folder) / "rendezvous"), world)
-        torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world)
+        try:
+            torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world)
+        except RuntimeError as exc:  # before the function ran: the launcher may start again
+            raise _RendezvousError(str(exc)) from exc
         result = function(*args)
         from accelerate.state import PartialState
 
@@ -133,9 +138,15 @@ def _rank(rank: int, folder: str, world: int, backend: str, parent_pid: int, fun
         raise
 
 
+class _RendezvousError(RuntimeError):
+    """The process group could not be formed; the launched function had not started."""
+
+
 def _save_failure(exc: BaseException, path: Path) -> None:
-    _save({"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
-           "time": time.time(), "interrupted": isinstance(exc, KeyboardInterrupt)}, path)
+    rendezvous = isinstance(exc, _RendezvousError)
+    _save({"ok": False, "error": f"{type(exc.__cause__ if rendezvous else exc).__name__}: {exc}", "traceback": traceback.format_exc(),
+           "time": time.time(), "interrupted": isinstance(exc, KeyboardInterrupt),
+           "rendezvous": rendezvous}, path)
     path.with_suffix(".failed").touch()  # tells the launcher at once, without reading the file
 
 
@@ -199,6 +210,25 @@ def _check_this_process_can_fork(kind: str) -> None:
 def _launch_processes(function, args, world: int, backend: str, timeout) -> list:
     import torch._dynamo  # noqa: F401 - a rank's first optimizer imports it (2 s): once here, not in every rank
 
+    for attempt in range(1 + RENDEZVOUS_RETRIES):
+        payloads, ended, unfinished = _run_ranks(function, args, world, backend, timeout)
+        failed = [p for p in payloads.values() if not p["ok"]]
+        if ended or unfinished or not failed or not all(p.get("rendezvous") for p in failed):
+            break
+        # gloo's connection of every rank to every other failed on a busy machine ("Connection closed
+        # by peer"), seen once in a few thousand launches; no rank had run the function: start again
+        if attempt < RENDEZVOUS_RETRIES:
+            warnings.warn(f"the {world} processes could not connect ({failed[0]['error'].splitlines()[0][:160]}); "
+                          "launching them again", RuntimeWarning, stacklevel=3)
+    message = _failure_message(payloads, ended, unfinished, world, timeout)
+    if message is not None:
+        raise LaunchError(message)
+    return [payloads[r]["result"] for r in range(world)]
+
+
+def _run_ranks(function, args, world: int, backend: str, timeout):
+    """Start the ranks, wait for them, stop them; return (payloads by rank, exit codes of ranks that ended
+    without one, ranks unfinished at the timeout or None)."""
     with tempfile.TemporaryDirectory(prefix="gaccum-launch-") as folder:
         context = start_processes(_rank, args=(folder, world, backend, os.getpid(), function, args),
                                   nprocs=world, join=False, start_method="fork")
@@ -215,10 +245,7 @@ def _launch_processes(function, args, world: int, backend: str, timeout) -> list
             with contextlib.suppress(Exception):  # no file, or an unreadable one: no result
                 payloads[rank] = torch.load(Path(folder) / f"rank{rank}.pt", weights_only=False)
     ended = {r: p.exitcode for r, p in enumerate(context.processes) if r not in payloads and r not in killed}
-    message = _failure_message(payloads, ended, unfinished, world, timeout)
-    if message is not None:
-        raise LaunchError(message)
-    return [payloads[r]["result"] for r in range(world)]
+    return payloads, ended, unfinished
 
 
 def _wait(processes, folder: Path, timeout) -> list | None:

@@ -355,6 +355,8 @@ def test_a_process_group_in_the_kernel_is_refused_with_what_to_do(tmp_path):
 def test_a_launch_leaves_the_signal_handlers_and_the_environment_as_they_were():
     names = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
     handlers = {name: signal.getsignal(getattr(signal, name)) for name in names}
+    import torch._dynamo  # noqa: F401 - the launch imports it once; importing it sets TORCHINDUCTOR_CACHE_DIR (torch's doing)
+
     environment = dict(os.environ)
     assert launch(_rank_and_world, num_processes=2, quiet=True) == [(0, 2), (1, 2)]
     # The ranks set their variables (RANK, ACCELERATE_USE_CPU, ...) after the fork, in themselves; under
@@ -584,3 +586,50 @@ def test_the_timeout_names_only_the_ranks_that_had_not_finished():
 def test_the_timeout_is_checked(timeout, error, message):
     with pytest.raises(error, match=message):
         launch(_rank_and_world, num_processes=2, timeout=timeout)
+
+
+# ---------------------------------------------------------------------------------------------
+# gloo's rendezvous failing (CI saw "Gloo connectFullMesh failed ... Connection closed by peer" once)
+
+
+def _init_failing_until(markers, real_init):
+    def init(backend, *, store, rank, world_size):
+        marker = markers / f"failed{rank}"
+        if not marker.exists():  # each rank fails its first rendezvous once, as a lost connection does
+            marker.touch()
+            raise RuntimeError("Gloo connectFullMesh failed with Connection closed by peer (simulated)")
+        return real_init(backend, store=store, rank=rank, world_size=world_size)
+    return init
+
+
+def test_a_launch_whose_processes_could_not_connect_starts_again_once_and_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.distributed, "init_process_group",
+                        _init_failing_until(tmp_path, torch.distributed.init_process_group))
+    with pytest.warns(RuntimeWarning, match="the 2 processes could not connect .*connectFullMesh.*launching them again"):
+        assert launch(_rank_and_world, num_processes=2, quiet=True) == [(0, 2), (1, 2)]
+    assert sorted(m.name for m in tmp_path.iterdir()) == ["failed0", "failed1"]
+
+
+def test_a_rendezvous_that_keeps_failing_is_reported_after_one_retry(monkeypatch):
+    def never_connects(backend, *, store, rank, world_size):
+        raise RuntimeError("Gloo connectFullMesh failed (simulated, every time)")
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", never_connects)
+    with pytest.warns(RuntimeWarning, match="launching them again"), \
+            pytest.raises(LaunchError, match=r"rank 0 of 2 failed with RuntimeError: Gloo connectFullMesh failed \(simulated"):
+        launch(_rank_and_world, num_processes=2, quiet=True, timeout=60)
+
+
+def test_a_failure_inside_the_function_is_never_launched_again(tmp_path):
+    with pytest.raises(LaunchError, match="failed with RuntimeError"):
+        launch(_count_runs_then_fail, (str(tmp_path),), num_processes=2, quiet=True, timeout=60)
+    assert sorted(m.name for m in tmp_path.iterdir()) == ["ran0", "ran1"]  # once each: no second launch
+
+
+def _count_runs_then_fail(folder):
+    import pathlib
+
+    rank = int(os.environ["RANK"])
+    with open(pathlib.Path(folder) / f"ran{rank}", "x"):  # "x": a second run of this rank would fail differently
+        pass
+    raise RuntimeError("Gloo connectFullMesh failed inside the user's function (simulated)")

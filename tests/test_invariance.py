@@ -250,7 +250,8 @@ def test_the_command_line_passes_the_take_home_script_on_one_and_two_processes(t
     for line in ("1 process (GA=4): passed  14 updates (full batch 14)", "2 processes (GA=4): passed  8 updates"):
         assert line in done.stdout, done.stdout
     assert "logged losses by 0.0e+00" in done.stdout  # the printed losses were read and compared
-    assert _documented_outputs()[0] in done.stdout  # the page prints what the command prints
+    # the page prints what the command prints, up to round-off another CPU's kernels change
+    assert _without_round_off(_documented_outputs()[0]) in _without_round_off(done.stdout)
 
 
 @pytest.mark.real
@@ -264,7 +265,18 @@ def test_the_naive_variant_fails_named_and_the_command_line_says_so(tmp_path):
     assert done.returncode == 1, done.stdout + done.stderr
     assert "- micro-batches weighted unequally: " in done.stdout, done.stdout
     assert "mean of micro-batch means" in done.stdout
-    assert _documented_outputs()[1] in done.stdout
+    assert _without_round_off(_documented_outputs()[1]) in _without_round_off(done.stdout)
+
+
+def _without_round_off(report: str) -> str:
+    """The report with differences under the check's tolerance (1e-4) written as "round-off".
+
+    Those digits are float32 summation order: they moved from 2.9e-07 to 3.1e-07 on CI's CPU,
+    while every figure the verdict rests on stays the same.
+    """
+    import re
+
+    return re.sub(r"\b\d\.\de-(0[5-9]|[1-9]\d)\b", "round-off", report)
 
 
 def _documented_outputs():
