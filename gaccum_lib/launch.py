@@ -144,7 +144,8 @@ class _RendezvousError(RuntimeError):
 
 def _save_failure(exc: BaseException, path: Path) -> None:
     rendezvous = isinstance(exc, _RendezvousError)
-    _save({"ok": False, "error": f"{type(exc.__cause__ if rendezvous else exc).__name__}: {exc}", "traceback": traceback.format_exc(),
+    error = f"{type(exc.__cause__ if rendezvous else exc).__name__}: {exc}"
+    _save({"ok": False, "error": error, "traceback": traceback.format_exc(),
            "time": time.time(), "interrupted": isinstance(exc, KeyboardInterrupt),
            "rendezvous": rendezvous}, path)
     path.with_suffix(".failed").touch()  # tells the launcher at once, without reading the file
