@@ -16,7 +16,6 @@ import contextlib
 import gc
 import multiprocessing.connection
 import os
-import re
 import signal
 import tempfile
 import threading
@@ -29,6 +28,7 @@ import torch
 from torch.multiprocessing import _prctl_pr_set_pdeathsig, start_processes  # torch's prctl call: a no-op off Linux
 
 from ._checks import check_choice, check_float, check_int
+from .launch_failures import error_text, failure_message
 
 #: Seconds a launch may run before its processes are killed (``launch(..., timeout=None)``: no limit).
 DEFAULT_TIMEOUT = 300.0
@@ -37,9 +37,6 @@ DEFAULT_TIMEOUT = 300.0
 SHUTDOWN_GRACE = 5.0
 RENDEZVOUS_RETRIES = 1  # launches started again when the processes could not connect
 
-# Errors a rank raises only because another rank died: never the root cause.
-_LOST_PEER = re.compile(r"closed by peer|reset by peer|broken pipe|pair closure|got 0 bytes|remote process exited|"
-                        r"communicator was aborted|remote worker", re.IGNORECASE)
 _LAUNCH_LOCK = threading.Lock()
 
 
@@ -190,7 +187,7 @@ def launch(function, args=(), *, num_processes: int = 2, device: str = "auto", q
                 return [function(*args)]
             except Exception as exc:
                 failure = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-                raise LaunchError(_error_text(0, 1, failure)) from exc
+                raise LaunchError(error_text(0, 1, failure)) from exc
     finally:
         reset_accelerate_state(quiet=True)  # a one-process launch ran here: leave no Accelerator behind
         _LAUNCH_LOCK.release()
@@ -221,7 +218,7 @@ def _launch_processes(function, args, world: int, backend: str, timeout) -> list
         if attempt < RENDEZVOUS_RETRIES:
             warnings.warn(f"the {world} processes could not connect ({failed[0]['error'].splitlines()[0][:160]}); "
                           "launching them again", RuntimeWarning, stacklevel=3)
-    message = _failure_message(payloads, ended, unfinished, world, timeout)
+    message = failure_message(payloads, ended, unfinished, world, timeout)
     if message is not None:
         raise LaunchError(message)
     return [payloads[r]["result"] for r in range(world)]
@@ -276,49 +273,6 @@ def _stop(processes) -> set:
     for process in processes:
         process.join()
     return killed
-
-
-def _failure_message(payloads: dict, ended: dict, unfinished, world: int, timeout) -> str | None:
-    """What to tell about failed ranks, root cause first (``ended``: exit codes of ranks that ended without a
-    result); None when every rank returned."""
-    failed = {r: p for r, p in payloads.items() if not p["ok"]}
-    errors = {r: p for r, p in failed.items() if not p["interrupted"]}
-    genuine = {r: p for r, p in errors.items() if not _LOST_PEER.search(p["error"])}
-    if genuine:  # the first rank to fail; ranks failing together (one bug everywhere) report the lowest
-        earliest = min(p["time"] for p in genuine.values())
-        rank = min(r for r, p in genuine.items() if p["time"] - earliest < 2.0)
-        head = _error_text(rank, world, payloads[rank])
-    elif unfinished:
-        rank, finished = None, [r for r in range(world) if r not in unfinished]
-        head = (f"the launch did not finish within {timeout:g} s: ranks {unfinished} of {world} had not returned"
-                f"{f' (ranks {finished} had)' if finished else ''}, so all its processes were stopped. A rank waiting "
-                "in a collective (gather, all-reduce, a synchronising backward) that another rank never reaches waits "
-                "forever; if the run is merely slow, pass a larger timeout= to launch")
-    elif ended:
-        rank = min(ended)
-        how = f"killed by {signal.Signals(-ended[rank]).name}" if ended[rank] < 0 else f"exit code {ended[rank]}"
-        head = (f"rank {rank} of {world} ended without returning a result ({how}): killed from outside, by the "
-                "out-of-memory killer, or by os._exit")
-    elif errors or failed:
-        rank = min(errors or failed, key=lambda r: payloads[r]["time"])
-        head = _error_text(rank, world, payloads[rank])
-    elif len(payloads) < world:
-        return f"ranks {sorted(set(range(world)) - set(payloads))} of {world} returned no result (stopped, or killed)"
-    else:
-        return None
-    others = [f"  rank {r}: {payloads[r]['error'].splitlines()[0][:200] if r in failed else 'ended without a result'}"
-              for r in range(world) if r != rank and (r in failed or r not in payloads and r not in (unfinished or ()))]
-    return head + ("\n\nthe other ranks:\n" + "\n".join(others) if others else "")
-
-
-def _error_text(rank: int, world: int, payload: dict) -> str:
-    text = f"rank {rank} of {world} failed with {payload['error']}\n\ntraceback of rank {rank}:\n{payload['traceback']}"
-    if "was not reinitialized" in payload["error"]:
-        text += ("\nhint: the launched function used an Accelerator (or PartialState) created outside it, in this "
-                 "kernel; launching resets that state. Create the Accelerator inside the launched function.")
-    if "Cannot re-initialize CUDA in forked subprocess" in payload["error"]:
-        text += "\nhint: this kernel used CUDA before the launch; restart it and keep kernel-side work on the CPU."
-    return text
 
 
 @contextlib.contextmanager
