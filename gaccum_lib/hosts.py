@@ -25,7 +25,7 @@ from accelerate.utils import patch_environment
 from accelerate.utils.other import get_free_port
 
 from ._checks import check_int
-from .launch import gpu_count
+from .launch import gpu_count, import_before_fork
 
 
 def in_colab_kernel() -> bool:
@@ -52,6 +52,7 @@ def launch_from_notebook(function, args=(), *, num_processes: int = 2) -> None:
     Like both launchers it returns nothing: the function saves what the kernel should read.
     """
     check_int("num_processes", num_processes, minimum=1)
+    import_before_fork()  # the ranks fork from this kernel: what it imported, they need not import again
     if notebook_launcher_forks():
         notebook_launcher(function, args, num_processes=num_processes, use_port=str(get_free_port()))
         return

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import multiprocessing.connection
 import os
 import signal
@@ -205,9 +206,24 @@ def _check_this_process_can_fork(kind: str) -> None:
                           "processes: restart the kernel and keep kernel-side work on the CPU before launching")
 
 
-def _launch_processes(function, args, world: int, backend: str, timeout) -> list:
-    import torch._dynamo  # noqa: F401 - a rank's first optimizer imports it (2 s): once here, not in every rank
+def import_before_fork() -> None:
+    """Import here, once, what every forked rank would otherwise import for itself at each launch."""
+    import torch._dynamo  # noqa: F401 - a rank's first optimizer imports it (2 s)
+    from accelerate.utils import is_deepspeed_available
 
+    if is_deepspeed_available():  # where it is installed, unwrap_model imports DeepSpeed (0.3 s a rank)
+        previous = logging.root.manager.disable
+        logging.disable(logging.WARNING)  # its import warns, on stdout, that it found no GPU
+        try:
+            import deepspeed  # noqa: F401
+        except Exception:  # noqa: BLE001 - a broken install fails in the ranks, where the error is reported
+            pass
+        finally:
+            logging.disable(previous)
+
+
+def _launch_processes(function, args, world: int, backend: str, timeout) -> list:
+    import_before_fork()
     for attempt in range(1 + RENDEZVOUS_RETRIES):
         payloads, ended, unfinished = _run_ranks(function, args, world, backend, timeout)
         failed = [p for p in payloads.values() if not p["ok"]]

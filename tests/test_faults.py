@@ -633,3 +633,28 @@ def _count_runs_then_fail(folder):
     with open(pathlib.Path(folder) / f"ran{rank}", "x"):  # "x": a second run of this rank would fail differently
         pass
     raise RuntimeError("Gloo connectFullMesh failed inside the user's function (simulated)")
+
+
+# A rank's Accelerator.unwrap_model imports DeepSpeed where it is installed (0.3 s, a rank, a launch): the
+# launching process imports it once before the fork, without the warning its import prints on stdout.
+DEEPSPEED_BEFORE_FORK = textwrap.dedent("""
+    import sys
+    from gaccum_lib import launch
+
+    def already_there():
+        there = "deepspeed" in sys.modules
+        from accelerate import Accelerator
+
+        Accelerator(cpu=True)
+        return there
+
+    print("before:", "deepspeed" in sys.modules, flush=True)
+    print("in the ranks:", launch(already_there, num_processes=2, quiet=True, timeout=120), flush=True)
+""")
+
+
+def test_the_launching_process_imports_deepspeed_once_for_every_rank_and_prints_nothing():
+    pytest.importorskip("deepspeed")
+    result = subprocess.run([PYTHON, "-c", DEEPSPEED_BEFORE_FORK], capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines() == ["before: False", "in the ranks: [True, True]"]
