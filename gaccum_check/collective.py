@@ -90,32 +90,3 @@ def _sum_values(values):
     if all(isinstance(v, numbers.Integral) for v in values):
         return sum(int(v) for v in values)
     return float(sum(float(v) for v in values))
-
-
-def alongside(main, others):
-    """``main()`` here while each of ``others`` runs in its own thread: (main's result, the others' results).
-
-    An error of ``main`` comes first (the reference checks the arguments), then the others' in their order.
-    Each of the others returns on its own (a stuck rank times out in :func:`run_ranks`).
-    """
-    results, errors = [None] * len(others), [None] * len(others)
-
-    def run(k: int) -> None:
-        try:
-            results[k] = others[k]()
-        except BaseException as exc:  # noqa: BLE001 -- re-raised in the caller's thread below
-            errors[k] = exc
-
-    threads = [threading.Thread(target=run, args=(k,), name=f"check_accumulation run {k}", daemon=True)
-               for k in range(len(others))]
-    for t in threads:
-        t.start()
-    try:
-        value = main()
-    finally:
-        for t in threads:
-            t.join()
-    for exc in errors:
-        if exc is not None:
-            raise exc
-    return value, results

@@ -349,7 +349,9 @@ def reference(model, make_optimizer, micro_batches, loss_fn, max_grad_norm=None)
     w0 = flat(params)
     batch_dependent = batch_dependent_layers(model)
     grads, counts, losses = _gradients(model, params, micro_batches, loss_fn)
-    _refuse_a_mean_loss(model, micro_batches[0], loss_fn, losses[0], counts[0])
+    whole = None if batch_dependent else _additive_whole(model, micro_batches, loss_fn, losses, counts)
+    if whole is None:  # a loss that adds up over the window is a sum (a mean adds up only where all but one is 0)
+        _refuse_a_mean_loss(model, micro_batches[0], loss_fn, losses[0], counts[0])
     total = sum(counts)
     if total == 0:
         raise ValueError("loss_fn counts 0 targets in the whole window (micro_batches): there is no loss to "
@@ -365,7 +367,6 @@ def reference(model, make_optimizer, micro_batches, loss_fn, max_grad_norm=None)
         raise ValueError(f"the micro-batches' gradients cancel so much that rounding in {params[0].dtype} alone could "
                          f"move the full-batch gradient by {gradient_floor:.0%}: the check could not tell a 5 % error "
                          "from a pass; use float64 (make_model) or other micro_batches")
-    whole = None if batch_dependent else _additive_whole(model, micro_batches, loss_fn, losses, counts)
     optimizer = make_optimizer(params)
     first = grads.sum(axis=0) / total
     first_weights = Reference._step(params, optimizer, optimizer_settings(optimizer.param_groups),
