@@ -317,10 +317,14 @@ def error_vs_ga(problem: Problem, ga_values=(1, 2, 4, 8, 16), *, effective_batch
             raise ValueError(f"ga_values: GA={g} times num_processes={num_processes} must divide "
                              f"effective_batch={effective_batch}")
     errors = {s: [] for s in strategies}
+    full = None
     for g in ga_values:
         kwargs = dict(grad_accum_steps=g, micro_batch_size=effective_batch // (g * num_processes),
                       num_processes=num_processes, lr=lr, epochs=epochs)
-        full = simulate(problem, "full_batch", **kwargs)
+        # On one process the full batch is one forward over the same rows whatever GA: bit for bit the
+        # same run, made once. On several, each GA averages the ranks' shares differently (1e-16 apart).
+        if full is None or num_processes > 1:
+            full = simulate(problem, "full_batch", **kwargs)
         for s in strategies:
             errors[s].append(float(simulate(problem, s, **kwargs).distance_from(full).max()))
     return {"ga": ga_values, "effective_batch": effective_batch, "num_processes": num_processes,

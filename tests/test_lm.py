@@ -151,6 +151,15 @@ def test_packed_blocks_have_equal_length_and_make_naive_exact():
     assert sweep["mean_of_means"].max() < FLOOR and sweep["token_normalised"].max() < FLOOR
 
 
+def test_on_one_process_the_full_batch_does_not_depend_on_ga_so_error_vs_ga_runs_it_once():
+    problem = tiny_lm(32)
+    runs = [simulate(problem, "full_batch", grad_accum_steps=g, micro_batch_size=16 // g, lr=0.5) for g in (1, 2, 4, 8)]
+    assert all(np.array_equal(run.weights, runs[0].weights) for run in runs)  # bit for bit
+    two = [simulate(problem, "full_batch", grad_accum_steps=g, micro_batch_size=8 // g, num_processes=2, lr=0.5)
+           for g in (1, 2)]
+    assert np.abs(two[1].weights - two[0].weights).max() < 1e-15  # equal up to rounding (1e-16 here): run per GA
+
+
 def test_two_simulated_processes_sweep():
     sweep = error_vs_ga(tiny_lm(32), (1, 2, 4), effective_batch=16, lr=0.5, num_processes=2)
     assert sweep["token_normalised"].max() < FLOOR and sweep["mean_of_means"][-1] > 1e-2
