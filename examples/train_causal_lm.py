@@ -110,8 +110,9 @@ def check_backend(accelerator):
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         raise RuntimeError(
             "DeepSpeed is not supported by this loop: under DeepSpeed `accelerator.backward` steps the engine whenever "
-            "`accelerator.sync_gradients` is True, and this loop never sets it False (it uses no_sync), so the engine "
-            "would step after every micro-batch. DeepSpeed accumulates itself (its own gradient_accumulation_steps) "
+            "`accelerator.sync_gradients` is True, and this loop never sets it False (it uses no_sync): under ZeRO 2 "
+            "and 3 the engine would step after every micro-batch, and under ZeRO 0 and 1 no_sync is the engine's own, "
+            "which refuses that step. DeepSpeed accumulates itself (its own gradient_accumulation_steps) "
             "and needs a loop written for its engine; this one is not.")
     if accelerator.distributed_type not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
         raise RuntimeError(
