@@ -7,6 +7,7 @@ with the same figures, never a bare assertion.
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -66,7 +67,10 @@ def test_lesson_05_and_06_in_a_colab_kernel():
 @pytest.mark.colab_outputs
 def test_lessons_08_and_09_launch_two_processes_in_a_colab_kernel():
     stack = _outputs("08_your_real_stack.ipynb")
-    assert "2 processes, GA 4 x 2 rows      vs 1 process, full batch: 1.7e-07   counts [278, 409]" in stack
+    # The distance is float32 rounding: the same code printed 1.7e-07 on earlier machines and 2.1e-07 on this
+    # session's. The counts must match exactly, the distance only stay at rounding level.
+    line = re.search(r"2 processes, GA 4 x 2 rows      vs 1 process, full batch: (\S+)   counts \[278, 409\]", stack)
+    assert line is not None and float(line.group(1)) < 1e-6
     schedulers = _outputs("09_schedulers_across_processes.ipynb")
     assert "2 processes  12 batches per rank, scheduler steps after each update: [2, 4, 6]" in schedulers
     assert "all-reduces after each update: default [1, 2, 3], sync_each_batch [4, 8, 12]" in schedulers
