@@ -8,6 +8,7 @@ was drawn.
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+from matplotlib.ticker import NullFormatter
 
 from .plots import OKABE_ITO, apply_style, legend_below
 
@@ -43,6 +44,7 @@ def plot_fsdp_gradient_memory(sizes: dict, measured: dict, *, process_counts=(2,
     ax.set(xscale="log", yscale="log", xlabel="weights in the model",
            ylabel="gradient elements held per process",
            title="FSDP2: what accumulating without sync costs in memory")
+    ax.xaxis.set_minor_formatter(NullFormatter())  # labelled minor ticks (3x10^2, 4x10^2, ...) run together
     legend_below(ax.figure, ax, ncol=2)
     return ax
 
@@ -69,6 +71,7 @@ def plot_rl_drift(rows: list[dict], *, floor: float = 1e-9):
                title=f"{p} process{'' if p == 1 else 'es'}")
         ax.set_xticks(sorted({r["grad_accum_steps"] for r in rows}), [str(g) for g in
                       sorted({r["grad_accum_steps"] for r in rows})])
+        ax.xaxis.set_minor_formatter(NullFormatter())  # only the GA values above are labelled
     axes[0][0].set_ylabel("distance from its own full batch")
     legend_below(figure, axes[0][0], ncol=4)
     return axes[0]
