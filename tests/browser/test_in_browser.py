@@ -93,7 +93,24 @@ def _run_all(page, timeout_s: float) -> None:
             return False
         time.sleep(0.5)  # idle between two cells is not the end: it must stay idle with nothing queued
         return not any("*" in p for p in _prompts(page)) and _kernel_idle(page)
-    _wait_until(finished, timeout_s, "Run All to finish")
+    try:
+        _wait_until(finished, timeout_s, "Run All to finish")
+    except AssertionError as exc:  # say where it stopped: a hang is otherwise hard to find again
+        raise AssertionError(f"{exc}; {_where_it_stopped(page)}") from None
+
+
+def _where_it_stopped(page) -> str:
+    """The code cell still running, and every kernel's processes with their state (a hung launch shows here)."""
+    import psutil
+
+    running = [i for i, p in enumerate(_prompts(page)) if "*" in p]
+    processes = []
+    for kernel in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if any("ipykernel_launcher" in part for part in kernel.info["cmdline"] or []):
+                family = [kernel, *kernel.children(recursive=True)]
+                processes += [f"{p.pid} {p.name()} {p.status()} cpu {sum(p.cpu_times()[:2]):.1f} s" for p in family]
+    return f"code cell {running[0] if running else '?'} (0-based, code cells only) was running; processes: {processes}"
 
 
 def _save_and_read(page, lab, name: str) -> dict:
