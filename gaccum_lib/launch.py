@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import logging
 import multiprocessing.connection
 import os
 import signal
@@ -29,6 +28,7 @@ import torch
 from torch.multiprocessing import _prctl_pr_set_pdeathsig, start_processes  # torch's prctl call: a no-op off Linux
 
 from ._checks import check_choice, check_float, check_int
+from ._fork_imports import import_before_fork, note_rank_imports
 from .launch_failures import error_text, failure_message
 
 #: Seconds a launch may run before its processes are killed (``launch(..., timeout=None)``: no limit).
@@ -119,7 +119,10 @@ def _rank(rank: int, folder: str, world: int, backend: str, parent_pid: int, fun
             torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world)
         except RuntimeError as exc:  # before the function ran: the launcher may start again
             raise _RendezvousError(str(exc)) from exc
-        result = function(*args)
+        try:
+            result = function(*args)
+        finally:
+            note_rank_imports()
         from accelerate.state import PartialState
 
         if PartialState().num_processes != world:
@@ -204,22 +207,6 @@ def _check_this_process_can_fork(kind: str) -> None:
     if kind == "gpu" and torch.cuda.is_initialized():
         raise LaunchError("this process has already used CUDA, and CUDA does not survive the fork that starts the GPU "
                           "processes: restart the kernel and keep kernel-side work on the CPU before launching")
-
-
-def import_before_fork() -> None:
-    """Import here, once, what every forked rank would otherwise import for itself at each launch."""
-    import torch._dynamo  # noqa: F401 - a rank's first optimizer imports it (2 s)
-    from accelerate.utils import is_deepspeed_available
-
-    if is_deepspeed_available():  # where it is installed, unwrap_model imports DeepSpeed (0.3 s a rank)
-        previous = logging.root.manager.disable
-        logging.disable(logging.WARNING)  # its import warns, on stdout, that it found no GPU
-        try:
-            import deepspeed  # noqa: F401
-        except Exception:  # noqa: BLE001 - a broken install fails in the ranks, where the error is reported
-            pass
-        finally:
-            logging.disable(previous)
 
 
 def _launch_processes(function, args, world: int, backend: str, timeout) -> list:

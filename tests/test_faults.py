@@ -641,20 +641,61 @@ DEEPSPEED_BEFORE_FORK = textwrap.dedent("""
     import sys
     from gaccum_lib import launch
 
-    def already_there():
-        there = "deepspeed" in sys.modules
+    def measure_only():  # what the lessons' recorders do: no unwrap_model, so no DeepSpeed
+        import torch
+        from accelerate import Accelerator
+        from gaccum_lib.accelerate_runs import inner_module
+
+        model = Accelerator(cpu=True).prepare(torch.nn.Linear(2, 1))
+        return [type(inner_module(model)).__name__, "deepspeed" in sys.modules]
+
+    def unwrap():
+        import torch
         from accelerate import Accelerator
 
-        Accelerator(cpu=True)
-        return there
+        accelerator = Accelerator(cpu=True)
+        return type(accelerator.unwrap_model(accelerator.prepare(torch.nn.Linear(2, 1)))).__name__
 
-    print("before:", "deepspeed" in sys.modules, flush=True)
-    print("in the ranks:", launch(already_there, num_processes=2, quiet=True, timeout=120), flush=True)
+    for function in (measure_only, unwrap, measure_only):
+        print(launch(function, num_processes=2, quiet=True, timeout=120), "deepspeed" in sys.modules, flush=True)
 """)
 
 
-def test_the_launching_process_imports_deepspeed_once_for_every_rank_and_prints_nothing():
+def test_the_kernel_imports_deepspeed_before_a_launch_only_once_ranks_needed_it_and_prints_nothing():
+    # unwrap_model imports DeepSpeed wherever it is installed (0.7 s): a kernel whose ranks never call it
+    # should not pay for it; once they did, the kernel imports it (quietly) and later ranks inherit it.
     pytest.importorskip("deepspeed")
     result = subprocess.run([PYTHON, "-c", DEEPSPEED_BEFORE_FORK], capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.splitlines() == ["before: False", "in the ranks: [True, True]"]
+    assert result.stdout.splitlines() == ["[['Linear', False], ['Linear', False]] False",
+                                          "['Linear', 'Linear'] False",  # the ranks imported it, printing nothing
+                                          "[['Linear', True], ['Linear', True]] True"]  # inherited from the kernel
+
+
+DEEPSPEED_CPU_RANKS = textwrap.dedent("""
+    import os
+    from gaccum_lib import launch
+    from gaccum_lib.sharded import deepspeed_on_cpu_ranks
+
+    def what_the_rank_inherits():
+        import deepspeed.ops
+        from accelerate import PartialState
+
+        PartialState(cpu=True)
+
+        probed = "__compatible_ops__" in vars(deepspeed.ops)  # before this rank asked for it
+        return [probed, deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"], os.environ["DS_ACCELERATOR"]]
+
+    deepspeed_on_cpu_ranks()
+    print(launch(what_the_rank_inherits, num_processes=2, quiet=True, timeout=120), flush=True)
+""")
+
+
+def test_deepspeed_ranks_inherit_the_probe_and_never_compile_the_shared_memory_kernel():
+    # A fresh rank would probe DeepSpeed's kernels (0.2 s) and compile its CPU shared-memory all-reduce
+    # (about 25 s on a machine that never built it) though training never uses it.
+    pytest.importorskip("deepspeed")
+    result = subprocess.run([PYTHON, "-c", DEEPSPEED_CPU_RANKS], capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines() == ["[[True, False, 'cpu'], [True, False, 'cpu']]"]
+    assert "cannot find -laio" not in result.stderr  # the probe's test compiles, silenced

@@ -1,0 +1,77 @@
+"""What a kernel imports before it forks ranks, so that no rank imports it again at every launch.
+
+Infrastructure for :mod:`gaccum_lib.launch` and :func:`gaccum_lib.hosts.launch_from_notebook`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing.sharedctypes
+import os
+import sys
+
+# Set by a forked rank that imported DeepSpeed (shared memory made before any fork, so every rank
+# writes the kernel's copy): the next launch imports it once here instead of in every rank.
+_RANKS_IMPORTED_DEEPSPEED = multiprocessing.sharedctypes.RawValue("b", 0)
+
+
+def import_before_fork() -> None:
+    """Import here, once, what every forked rank would otherwise import for itself at each launch.
+
+    torch._dynamo always (a rank's first optimizer imports it: 2 s). DeepSpeed (0.7 s) only once a
+    launch's ranks imported it (Accelerate's ``unwrap_model`` does, wherever it is installed): a
+    kernel whose ranks never need it never pays for it.
+    """
+    import torch._dynamo  # noqa: F401
+
+    if _RANKS_IMPORTED_DEEPSPEED.value and "deepspeed" not in sys.modules:
+        previous = logging.root.manager.disable
+        logging.disable(logging.WARNING)  # its import warns, on stdout, that it found no GPU
+        try:
+            import deepspeed  # noqa: F401
+        except Exception:  # noqa: BLE001 - a broken install fails in the ranks, where the error is reported
+            pass
+        finally:
+            logging.disable(previous)
+    if "deepspeed" in sys.modules:
+        _without_deepspeed_shared_memory_kernel()
+
+
+def _without_deepspeed_shared_memory_kernel() -> None:
+    """Probe DeepSpeed's optional kernels once here (0.2 s a process), leaving out its CPU shared-memory
+    all-reduce: a rank would compile it on first use, about 25 s of C++ on a fresh machine, and only
+    ``inference_all_reduce`` uses it (training all-reduces go through torch.distributed either way)."""
+    import deepspeed.ops
+
+    try:
+        with _stderr_silenced():  # the probe's test compiles print linker errors ("cannot find -laio")
+            compatible = deepspeed.ops.__compatible_ops__  # DeepSpeed keeps this one dict: edits to it persist
+    except Exception:  # noqa: BLE001 - an older DeepSpeed without the probe: leave it as it is
+        return
+    compatible["deepspeed_shm_comm"] = False
+
+
+def expect_deepspeed_in_ranks() -> None:
+    """Say before a launch that its ranks will import DeepSpeed: the launch imports it here first."""
+    _RANKS_IMPORTED_DEEPSPEED.value = 1
+
+
+def note_rank_imports() -> None:
+    """In a forked rank, once its function ended: tell the kernel what it imported (see above)."""
+    if "deepspeed" in sys.modules:
+        _RANKS_IMPORTED_DEEPSPEED.value = 1
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+    """File descriptor 2 to /dev/null: what subprocesses write there too (a notebook shows it)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as sink:
+            os.dup2(sink.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
