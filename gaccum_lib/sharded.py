@@ -17,17 +17,20 @@ what measures them, so nothing here is what a learner came to copy.
   right now: the sharded gradient (``param.grad``, 1/P of each parameter) and any unsharded
   gradient kept between micro-batches while gradient sync is off.
 * :func:`deepspeed_config`: the smallest DeepSpeed config for these runs (ZeRO stage 0, SGD).
+* :func:`deepspeed_on_cpu_ranks`: DeepSpeed's CPU back end for this kernel and the ranks it launches.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections import Counter
 
 import torch
 from torch import nn
 
 from ._checks import check_int
+from ._fork_imports import expect_deepspeed_in_ranks
 
 #: Rows of the regression (divisible by every window the lesson uses).
 NUM_ROWS = 64
@@ -151,5 +154,15 @@ def deepspeed_config(grad_accum_steps: int, micro_batch_size: int, *, gradient_c
             "gradient_clipping": gradient_clipping, "zero_optimization": {"stage": 0}, "steps_per_print": 10**9}
 
 
-__all__ = ["COLLECTIVES", "LR", "NUM_ROWS", "count_collectives", "deepspeed_config", "flat_weights",
-           "full_batch_weights", "gradient_elements_held", "rank_windows", "regression_mlp", "regression_rows"]
+def deepspeed_on_cpu_ranks() -> None:
+    """Call before launching ranks that run DeepSpeed on CPUs. DeepSpeed picks its back end once, when
+    it is imported: ``DS_ACCELERATOR=cpu`` from now on, for this kernel and every rank it forks. The next
+    launch imports DeepSpeed here, once, without the shared-memory kernel a fresh rank would otherwise
+    compile (about 25 s the first time on a machine; see ``gaccum_lib._fork_imports``)."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    expect_deepspeed_in_ranks()
+
+
+__all__ = ["COLLECTIVES", "LR", "NUM_ROWS", "count_collectives", "deepspeed_config", "deepspeed_on_cpu_ranks",
+           "flat_weights", "full_batch_weights", "gradient_elements_held", "rank_windows", "regression_mlp",
+           "regression_rows"]
