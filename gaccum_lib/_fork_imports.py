@@ -6,26 +6,30 @@ Infrastructure for :mod:`gaccum_lib.launch` and :func:`gaccum_lib.hosts.launch_f
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import multiprocessing.sharedctypes
 import os
 import sys
+import types
 
 # Set by a forked rank that imported DeepSpeed (shared memory made before any fork, so every rank
 # writes the kernel's copy): the next launch imports it once here instead of in every rank.
 _RANKS_IMPORTED_DEEPSPEED = multiprocessing.sharedctypes.RawValue("b", 0)
 
 
-def import_before_fork() -> None:
+def import_before_fork(function=None) -> None:
     """Import here, once, what every forked rank would otherwise import for itself at each launch.
 
-    torch._dynamo always (a rank's first optimizer imports it: 2 s). DeepSpeed (0.7 s) only once a
-    launch's ranks imported it (Accelerate's ``unwrap_model`` does, wherever it is installed): a
-    kernel whose ranks never need it never pays for it.
+    torch._dynamo always (a rank's first optimizer imports it: 2 s). DeepSpeed (0.7 s) only where the
+    ranks will import it: Accelerate's ``unwrap_model`` does, wherever DeepSpeed is installed, so when
+    the launched ``function`` calls it, or once an earlier launch's ranks imported it. A kernel whose
+    ranks never need DeepSpeed never pays for it.
     """
     import torch._dynamo  # noqa: F401
 
-    if _RANKS_IMPORTED_DEEPSPEED.value and "deepspeed" not in sys.modules:
+    needed = _RANKS_IMPORTED_DEEPSPEED.value or _calls_unwrap_model(function)
+    if needed and "deepspeed" not in sys.modules and importlib.util.find_spec("deepspeed") is not None:
         previous = logging.root.manager.disable
         logging.disable(logging.WARNING)  # its import warns, on stdout, that it found no GPU
         try:
@@ -50,6 +54,18 @@ def _without_deepspeed_shared_memory_kernel() -> None:
     except Exception:  # noqa: BLE001 - an older DeepSpeed without the probe: leave it as it is
         return
     compatible["deepspeed_shm_comm"] = False
+
+
+def _calls_unwrap_model(function) -> bool:
+    """Whether ``function`` (or a function defined inside it) calls a method named unwrap_model."""
+    code = getattr(function, "__code__", None)
+    stack = [code] if code is not None else []
+    while stack:
+        code = stack.pop()
+        if "unwrap_model" in code.co_names:
+            return True
+        stack.extend(const for const in code.co_consts if isinstance(const, types.CodeType))
+    return False
 
 
 def expect_deepspeed_in_ranks() -> None:

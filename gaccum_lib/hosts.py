@@ -53,7 +53,7 @@ def launch_from_notebook(function, args=(), *, num_processes: int = 2) -> None:
     Like both launchers it returns nothing: the function saves what the kernel should read.
     """
     check_int("num_processes", num_processes, minimum=1)
-    import_before_fork()  # the ranks fork from this kernel: what it imported, they need not import again
+    import_before_fork(function)  # the ranks fork from this kernel: what it imported, they need not import again
 
     def rank(*rank_args):
         try:

@@ -210,7 +210,7 @@ def _check_this_process_can_fork(kind: str) -> None:
 
 
 def _launch_processes(function, args, world: int, backend: str, timeout) -> list:
-    import_before_fork()
+    import_before_fork(function)
     for attempt in range(1 + RENDEZVOUS_RETRIES):
         payloads, ended, unfinished = _run_ranks(function, args, world, backend, timeout)
         failed = [p for p in payloads.values() if not p["ok"]]

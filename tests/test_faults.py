@@ -640,6 +640,7 @@ def _count_runs_then_fail(folder):
 DEEPSPEED_BEFORE_FORK = textwrap.dedent("""
     import sys
     from gaccum_lib import launch
+    from gaccum_lib._fork_imports import _calls_unwrap_model
 
     def measure_only():  # what the lessons' recorders do: no unwrap_model, so no DeepSpeed
         import torch
@@ -649,26 +650,34 @@ DEEPSPEED_BEFORE_FORK = textwrap.dedent("""
         model = Accelerator(cpu=True).prepare(torch.nn.Linear(2, 1))
         return [type(inner_module(model)).__name__, "deepspeed" in sys.modules]
 
+    def imports_it():  # nothing in its code says so: the kernel learns it from the ranks
+        import importlib
+        from accelerate import PartialState
+
+        PartialState(cpu=True)
+        return importlib.import_module("deepspeed").__name__
+
     def unwrap():
-        import torch
-        from accelerate import Accelerator
+        def inner(accelerator, model):
+            return accelerator.unwrap_model(model)
+        return inner
 
-        accelerator = Accelerator(cpu=True)
-        return type(accelerator.unwrap_model(accelerator.prepare(torch.nn.Linear(2, 1)))).__name__
-
-    for function in (measure_only, unwrap, measure_only):
+    print(_calls_unwrap_model(unwrap), _calls_unwrap_model(measure_only), _calls_unwrap_model(print), flush=True)
+    for function in (measure_only, imports_it, measure_only):
         print(launch(function, num_processes=2, quiet=True, timeout=120), "deepspeed" in sys.modules, flush=True)
 """)
 
 
-def test_the_kernel_imports_deepspeed_before_a_launch_only_once_ranks_needed_it_and_prints_nothing():
+def test_the_kernel_imports_deepspeed_before_a_launch_only_where_ranks_need_it_and_prints_nothing():
     # unwrap_model imports DeepSpeed wherever it is installed (0.7 s): a kernel whose ranks never call it
-    # should not pay for it; once they did, the kernel imports it (quietly) and later ranks inherit it.
+    # should not pay for it; a launched function that calls it, or ranks that imported it at an earlier
+    # launch, make the kernel import it (quietly) so that the ranks inherit it.
     pytest.importorskip("deepspeed")
     result = subprocess.run([PYTHON, "-c", DEEPSPEED_BEFORE_FORK], capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.splitlines() == ["[['Linear', False], ['Linear', False]] False",
-                                          "['Linear', 'Linear'] False",  # the ranks imported it, printing nothing
+    assert result.stdout.splitlines() == ["True False False",
+                                          "[['Linear', False], ['Linear', False]] False",
+                                          "['deepspeed', 'deepspeed'] False",  # the ranks imported it, silently
                                           "[['Linear', True], ['Linear', True]] True"]  # inherited from the kernel
 
 
