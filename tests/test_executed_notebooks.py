@@ -48,6 +48,7 @@ EXPECTED_FIGURES = {
         "accelerate (DistributedType.MULTI_CPU, 2 process(es))",
         "largest distance to the full batch, 1 process:  naive 0.1759",
         "largest distance to the full batch, 2 processes: naive 0.2042",
+        "naive, distance after the last update / after the first: 3.1 (1 process), 2.5 (2 real processes)",
         "  2            8 |                  0.0466",
         " 16            1 |                  0.2321",
         "packed: 64 blocks of 58 characters, 3648 targets (one line per row: 3674)",
