@@ -16,6 +16,8 @@ import types
 # Set by a forked rank that imported DeepSpeed (shared memory made before any fork, so every rank
 # writes the kernel's copy): the next launch imports it once here instead of in every rank.
 _RANKS_IMPORTED_DEEPSPEED = multiprocessing.sharedctypes.RawValue("b", 0)
+# Set by expect_deepspeed_in_ranks: the ranks will start DeepSpeed's communication, not just import it.
+_RANKS_RUN_DEEPSPEED = False
 
 
 def import_before_fork(function=None) -> None:
@@ -38,7 +40,7 @@ def import_before_fork(function=None) -> None:
             pass
         finally:
             logging.disable(previous)
-    if "deepspeed" in sys.modules:
+    if _RANKS_RUN_DEEPSPEED and "deepspeed" in sys.modules:
         _without_deepspeed_shared_memory_kernel()
 
 
@@ -69,7 +71,10 @@ def _calls_unwrap_model(function) -> bool:
 
 
 def expect_deepspeed_in_ranks() -> None:
-    """Say before a launch that its ranks will import DeepSpeed: the launch imports it here first."""
+    """Say before a launch that its ranks will run DeepSpeed: the launch imports it here first, without
+    the shared-memory kernel (see above)."""
+    global _RANKS_RUN_DEEPSPEED
+    _RANKS_RUN_DEEPSPEED = True
     _RANKS_IMPORTED_DEEPSPEED.value = 1
 
 
