@@ -171,37 +171,3 @@ def test_update_recorder_keeps_what_trajectory_from_ranks_reads(tmp_path):
     trajectory = trajectory_from_ranks([record], strategy="token_normalised", grad_accum_steps=1, micro_batch_size=1,
                                        lr=0.1)
     assert np.allclose(trajectory.weights[1] - trajectory.weights[0], [1.0, 1.0, 0.0])
-
-
-def _take_home_ranks(rows, make_model, settings):
-    """examples/train_causal_lm.py's function in this rank, measured by the lessons' UpdateRecorder."""
-    import importlib.util
-    from pathlib import Path
-
-    from gaccum_lib.accelerate_runs import UpdateRecorder
-
-    script = Path(__file__).resolve().parents[1] / "examples" / "train_causal_lm.py"
-    spec = importlib.util.spec_from_file_location("take_home_train_causal_lm", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    recorder = UpdateRecorder()
-    module.train_causal_lm(make_model(), rows, optimizer="sgd", cpu=True, on_update=recorder, max_grad_norm=None,
-                           final_lr_fraction=1.0, **settings)
-    return recorder.record
-
-
-def test_the_take_home_function_lands_on_real_runs_weights_exactly():
-    # Two loops written apart (the take-home script's and gaccum_lib.accelerate_runs'), the same update:
-    # lesson 05 trusts real_run's naive run on two processes because its token-normalised run is this one.
-    from gaccum_lib import tiny_lm
-    from gaccum_lib.accelerate_runs import trajectory_from_ranks
-
-    problem = tiny_lm(24)
-    settings = dict(grad_accum_steps=2, micro_batch_size=2, lr=0.5, epochs=2)
-    rows = [example["input_ids"].tolist() for example in problem.examples]
-    records = launch(_take_home_ranks, args=(rows, problem.make_model, settings), num_processes=2)
-    take_home = trajectory_from_ranks(records, strategy="token_normalised", grad_accum_steps=2, micro_batch_size=2,
-                                      lr=0.5)
-    library = real_run(problem, "token_normalised", num_processes=2, **settings)
-    assert take_home.weights.shape == library.weights.shape == (7, library.weights.shape[1])  # 3 updates an epoch
-    assert np.array_equal(take_home.weights, library.weights)

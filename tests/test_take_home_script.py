@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from accelerate.utils import DistributedType
 from accelerate.utils.other import get_free_port
@@ -239,6 +240,34 @@ def test_lesson_05s_recipe_cells_run_alone_and_train_as_the_script_does():
         losses[name] = train(module.tiny_llama(16), rows, **settings)
         reset_accelerate_state(quiet=True)
     assert len(losses["lesson"]) == 4 and losses["lesson"] == losses["script"]
+
+
+def _take_home_ranks(rows, make_model, settings):
+    """The script's train_causal_lm in this rank, measured by the lessons' UpdateRecorder."""
+    from gaccum_lib.accelerate_runs import UpdateRecorder
+
+    recorder = UpdateRecorder()
+    _load_script().train_causal_lm(make_model(), rows, optimizer="sgd", cpu=True, on_update=recorder,
+                                   max_grad_norm=None, final_lr_fraction=1.0, **settings)
+    return recorder.record
+
+
+@pytest.mark.real
+def test_the_take_home_function_lands_on_real_runs_weights_exactly():
+    # Two loops written apart (the script's and gaccum_lib.accelerate_runs'), the same update: lesson 05
+    # trusts real_run's naive run on two processes because its token-normalised run is this one.
+    from gaccum_lib import launch, real_run, tiny_lm
+    from gaccum_lib.accelerate_runs import trajectory_from_ranks
+
+    problem = tiny_lm(24)
+    settings = dict(grad_accum_steps=2, micro_batch_size=2, lr=0.5, epochs=2)
+    rows = [example["input_ids"].tolist() for example in problem.examples]
+    records = launch(_take_home_ranks, args=(rows, problem.make_model, settings), num_processes=2)
+    take_home = trajectory_from_ranks(records, strategy="token_normalised", grad_accum_steps=2, micro_batch_size=2,
+                                      lr=0.5)
+    library = real_run(problem, "token_normalised", num_processes=2, **settings)
+    assert take_home.weights.shape == library.weights.shape == (7, library.weights.shape[1])  # 3 updates an epoch
+    assert np.array_equal(take_home.weights, library.weights)
 
 
 def _save_word_level_model(folder):
