@@ -9,12 +9,21 @@ PYTHONDONTWRITEBYTECODE is set, as on CI machines: nothing would be cached later
 
 A module imported later that is not listed here still works: it is compiled in memory when
 imported (or cached then, where bytecode writing is allowed).
+
+pytest keeps bytecode of its own for its plugins' packages (hypothesis, nbmake, xdist, anyio, ...):
+it rewrites their asserts and caches the result beside the plain .pyc, under another name. Where
+bytecode writing is off, each pytest process rewrote them again: 3-4 s of CPU per process here,
+in every nbmake run and every xdist worker. One tiny pytest session with writing on caches them.
 """
 
 import importlib
 import multiprocessing
+import os
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from concurrent.futures import ProcessPoolExecutor
 
 # Two groups, imported in two processes at once (compiling is CPU-bound: two cores, half the time).
@@ -48,10 +57,21 @@ def import_group(names: list) -> int:
     return len(sys.modules)
 
 
+def cache_pytest_rewrites() -> None:
+    """Run one passing test, bytecode writing on, so pytest caches its plugins' rewritten modules."""
+    environment = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "test_nothing.py").write_text("def test_nothing():\n    pass\n")
+        # Hypothesis's plugin imports hypothesis only at the session's end: the session must run a test.
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_nothing.py"],
+                       cwd=folder, env=environment, check=True, capture_output=True)
+
+
 def main() -> int:
     start = time.perf_counter()
     with ProcessPoolExecutor(len(GROUPS), mp_context=multiprocessing.get_context("spawn")) as pool:
         counts = list(pool.map(import_group, GROUPS))
+    cache_pytest_rewrites()
     seconds = time.perf_counter() - start
     print(f">> bytecode written for the {sum(counts)} modules the suite imports, in {seconds:.0f} s")
     return 0
