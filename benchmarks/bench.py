@@ -354,6 +354,30 @@ def _ratios(seconds: dict, bare_times: list) -> dict:
             "notebooks": {name: {"seconds": s, "times_bare": s / bare_s} for name, s in seconds.items()}}
 
 
+def pass_ms() -> float:
+    """The machine's speed, to read this run's milliseconds by: one forward and backward of tiny_lm(16)
+    on 4 rows (float64, one thread), median of 40. The check's time is some 25 of these; this machine's
+    speed moved by up to 40 % within an hour, and this says where a run stood."""
+    import torch
+
+    from gaccum_lib import tiny_lm
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        problem = tiny_lm(16)
+        model = problem.make_model()
+        batch = problem.batch_of(problem.micro_batch_indices(4)[0])
+
+        def one_pass():
+            loss_sum, _ = problem.loss_sum_and_count(model, batch)
+            loss_sum.backward()
+
+        return _median_ms(_interleaved({"pass": one_pass}, 40)["pass"])
+    finally:
+        torch.set_num_threads(threads)
+
+
 def machine() -> dict:
     from importlib import metadata
 
@@ -366,7 +390,7 @@ def machine() -> dict:
             "torch": torch.__version__, "accelerate": metadata.version("accelerate"),
             "date": time.strftime("%Y-%m-%d"),
             # what else the machine was doing: the 1-minute load average as the run started
-            "load_average": round(os.getloadavg()[0], 2)}
+            "load_average": round(os.getloadavg()[0], 2), "pass_ms_start": round(pass_ms(), 2)}
 
 
 def main(argv=None) -> int:
@@ -403,6 +427,7 @@ def main(argv=None) -> int:
         else:
             results[section] = globals()[f"bench_{section}"](args.quick)
         print(f"[bench] {section} done in {time.perf_counter() - start:.1f} s", flush=True)
+    results["machine"]["pass_ms_end"] = round(pass_ms(), 2)
     print(table(results))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
