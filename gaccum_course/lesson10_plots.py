@@ -10,7 +10,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.ticker import NullFormatter
 
-from .plots import OKABE_ITO, apply_style, legend_below
+from .plots import OKABE_ITO, apply_style, legend_below, powers_of_ten
 
 LOSS_STYLES = {
     "grpo": dict(color=OKABE_ITO["blue"], linestyle="-", marker="o"),
@@ -72,6 +72,7 @@ def plot_rl_drift(rows: list[dict], *, floor: float = 1e-9):
         ax.set_xticks(sorted({r["grad_accum_steps"] for r in rows}), [str(g) for g in
                       sorted({r["grad_accum_steps"] for r in rows})])
         ax.xaxis.set_minor_formatter(NullFormatter())  # only the GA values above are labelled
+        powers_of_ten(ax)
     axes[0][0].set_ylabel("distance from its own full batch")
     legend_below(figure, axes[0][0], ncol=4)
     return axes[0]

@@ -14,7 +14,7 @@ import matplotlib.ticker
 import numpy as np
 import torch
 
-from .style import _label_update_axes, _markevery, _styles_and_labels
+from .style import _label_update_axes, _markevery, _styles_and_labels, powers_of_ten
 
 
 def _trajectory_key(trajectories: dict) -> tuple:
@@ -240,6 +240,7 @@ class DistanceFromReferencePlot:
         # Decades only: minor ticks on a log axis cost more to draw than the data (widget speed).
         ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(numticks=8))
         ax.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        powers_of_ten(ax)
         # The suite's "equal" (float32 rounding after a few updates is ~1e-7, float64's ~1e-15).
         ax.axhline(tolerance, color="0.5", linewidth=1, linestyle="--")
         ax.text(0.99, tolerance * 1.4, f"{tolerance:.0e}: tolerance for equal", fontsize=10, color="0.35", ha="right",

@@ -24,11 +24,12 @@ from .style import (
     _styles_and_labels,
     apply_style,
     legend_below,
+    powers_of_ten,
     style_for,
 )
 
 __all__ = [  # what the lessons import from here, the style and the draw-once plots included
-    "OKABE_ITO", "RC", "STYLES", "apply_style", "legend_below", "style_for",
+    "OKABE_ITO", "RC", "STYLES", "apply_style", "legend_below", "powers_of_ten", "style_for",
     "DistanceFromReferencePlot", "WeightPathPlot", "WeightTrajectoriesPlot", "weight_path_limits",
     "plot_count_error", "plot_distance_from_reference", "plot_error_vs_ga", "plot_lengths", "plot_logged_losses",
     "plot_losses", "plot_memory", "plot_precision_vs_ga", "plot_weight_path", "plot_weight_trajectories",
@@ -134,6 +135,7 @@ def plot_error_vs_ga(sweeps: dict, axes=None, *, floor: float = 1e-18, rounding:
     logarithmic.set_yscale("log")
     logarithmic.yaxis.set_major_locator(matplotlib.ticker.LogLocator(numticks=8))
     logarithmic.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    powers_of_ten(logarithmic)
     if rounding is not None:
         logarithmic.axhspan(floor / 2, rounding, color="0.88", zorder=0)
         logarithmic.text(0.02, rounding / 3, "float64 rounding (an exact 0 is drawn at the bottom)", fontsize=10,

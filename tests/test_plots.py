@@ -10,6 +10,7 @@ from matplotlib.colors import to_hex
 from matplotlib.text import Text
 
 from gaccum_course import plots
+from gaccum_course.style import _power_of_ten
 from gaccum_course.widgets import (
     regression_explorer,
     schedule_explorer,
@@ -173,3 +174,20 @@ def test_the_style_and_the_drawn_once_plots_are_still_imported_from_plots():
     assert all(hasattr(widgets, name) for name in widgets.__all__)
     assert plots.WeightPathPlot is live_plots.WeightPathPlot and plots.legend_below is style.legend_below
     assert widgets.Explorer is explorer.Explorer and widgets.Drawing is explorer.Drawing
+
+
+def test_log_axes_are_labelled_in_powers_of_ten_as_plain_text(runs):
+    # Plain text with Unicode superscripts, not mathtext (a quarter of a log figure's drawing time).
+    _, trajectories = runs
+    ax = plots.plot_distance_from_reference(trajectories, trajectories["full_batch"], floor=1e-17, legend=False)
+    ax.set_ylim(1e-16, 1e-4)
+    ax.figure.canvas.draw()
+    labels = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
+    assert labels and all(label.startswith("10") and "$" not in label for label in labels)
+    assert "10\u207b\u00b9\u2070" in labels  # 10^-10
+    assert [t.get_text() for t in ax.get_yticklabels(minor=True) if t.get_text()] == []
+    assert _power_of_ten(1.0) == "10\u2070" and _power_of_ten(100.0) == "10\u00b2"
+    assert _power_of_ten(3e-5) == "3e-05"  # not a decade: the plain number
+    with pytest.raises(ValueError, match="axis must be 'x' or 'y'"):
+        plots.powers_of_ten(ax, axis="z")
+    plt.close("all")
