@@ -76,8 +76,8 @@ def table(results: dict) -> str:
     lines = [f"machine: {machine['cpu_cores']} cores, {machine['gpus']} GPUs, "
              f"torch {machine['torch']}, accelerate {machine['accelerate']}"
              + (f", load {machine['load_average']} at the start" if "load_average" in machine else "")
-             + (f"; its speed: one tiny_lm(16) pass (4 rows, forward and backward) {machine['pass_ms_start']:.2f} ms at "
-                f"the start, {machine['pass_ms_end']:.2f} ms at the end" if "pass_ms_end" in machine else "")]
+             + (f"; its speed: one tiny_lm(16) pass (4 rows, forward and backward) {machine['pass_ms_start']:.2f} "
+                f"ms at the start, {machine['pass_ms_end']:.2f} ms at the end" if "pass_ms_end" in machine else "")]
     for section in SECTIONS:
         if results.get(section):
             lines += _SECTION_LINES[section](results[section])

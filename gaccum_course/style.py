@@ -121,7 +121,7 @@ def _power_of_ten(value: float, _position=None) -> str:
 
 
 def powers_of_ten(ax, axis: str = "y") -> None:
-    """A log axis (``axis``: "x" or "y") labelled 10\u207b\u00b9\u2075, 10\u207b\u00b9\u00b2, ... in plain text, decades only.
+    """A log axis (``axis``: "x" or "y") labelled 10⁻¹⁵, 10⁻¹², ... in plain text, decades only.
 
     Matplotlib labels a log axis with mathtext, laid out as a formula at every draw: on the lessons'
     log panels that took a quarter of the figure's drawing (lesson 05's four log panels, 800 -> 590 ms).

@@ -23,8 +23,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 # Two groups, imported in two processes at once (compiling is CPU-bound: two cores, half the time).
 GROUPS = [
