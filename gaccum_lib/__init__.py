@@ -16,6 +16,7 @@ full batch, and :mod:`gaccum_course` runs the classroom (figures, explorers, exe
 lesson map, saved benchmarks, the environment report).
 """
 
+from ._gc import freeze_imports
 from .accelerate_runs import SYNC_MODES, accelerate_train, fresh_accelerator, real_run
 from .compare import cmp, fmt_weights, max_diff
 from .data import (
@@ -34,6 +35,8 @@ from .lm import LMProblem, count_targets_before_shift, error_vs_ga, tiny_lm
 from .sharding import plan_windows, shard_batches
 from .simulate import Trajectory, compare_strategies, simulate
 from .strategies import LABELS, STRATEGIES, accelerate_backward_loss, plain_backward_loss
+
+freeze_imports()  # torch and Accelerate, imported above, stay for the process's life: no collection walks them
 
 __version__ = "0.1.0"
 

@@ -16,6 +16,7 @@ only if the kernel's is; :func:`launch_from_notebook` sets both).
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -56,6 +57,10 @@ def launch_from_notebook(function, args=(), *, num_processes: int = 2) -> None:
     import_before_fork(function)  # the ranks fork from this kernel: what it imported, they need not import again
 
     def rank(*rank_args):
+        # As in gaccum_lib.launch: a forked rank never collects the kernel's objects (a destructor may wait on
+        # a thread the fork dropped), and its full collections (Accelerate runs one after every Trainer.train())
+        # do not walk them (gaccum_lib._gc).
+        gc.freeze()
         try:
             return function(*rank_args)
         finally:
