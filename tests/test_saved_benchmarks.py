@@ -12,8 +12,14 @@ def test_the_saved_results_are_a_full_run_of_every_section():
     results = benchmarks.load()
     assert results["quick"] is False  # a full run, not a smoke run
     assert set(benchmarks.SECTIONS) <= set(results)
-    # the machine it ran on, and how busy it was
-    assert {"cpu_cores", "gpus", "torch", "accelerate", "load_average"} <= set(results["machine"])
+    # the machine it ran on, how busy it was, and how fast it ran then (one tiny_lm(16) pass, ms)
+    machine = results["machine"]
+    assert {"cpu_cores", "gpus", "torch", "accelerate", "load_average"} <= set(machine)
+    assert 0 < machine["pass_ms_start"] < 100 and 0 < machine["pass_ms_end"] < 100
+    assert f"{machine['pass_ms_start']:.2f} ms at the start" in benchmarks.table(results)
+    # every lesson ran in two rounds; its ratio is one of them, over the bare runs beside it
+    assert all(n["runs"] == 2 for n in results["notebooks"]["notebooks"].values())
+    assert "the better of 2 rounds" in benchmarks.table(results)
 
 
 def test_the_allreduce_and_memory_settings_are_the_ones_the_lesson_describes():
