@@ -163,6 +163,10 @@ STUCK_LAUNCH = textwrap.dedent("""
     import os, signal, sys, time
     from gaccum_lib import launch
 
+    # Ctrl-C raises KeyboardInterrupt here as in a terminal, even where the test runner ignores SIGINT and
+    # so this process inherited that (a job a non-interactive shell started with & ignores it)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
     def stuck():
         if sys.argv[2] == "shielded":
             signal.signal(signal.SIGINT, signal.SIG_IGN)
