@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What accumulation costs and saves, measured as ratios and counts in one run (`make bench`).
 
-    python benchmarks/bench.py                      # everything, a few minutes on 2 cores (= make bench)
+    python benchmarks/bench.py                      # everything, about 8 minutes on 2 cores (= make bench)
     python benchmarks/bench.py --only memory,widgets
     python benchmarks/bench.py --out results.json --plot results.png
 
@@ -11,8 +11,10 @@ show them through gaccum_course.benchmarks (load, table, plot). On a GPU machine
 measures the GPU sections there.
 
 Every figure is a ratio or a count from this one run, so the numbers compare across
-machines: timings are medians over interleaved repetitions (A, B, A, B, ...), so background
-load hits both sides alike. The JSON records the machine (cores, GPUs, versions) it ran on.
+machines: the cost ratios are medians over interleaved repetitions (A, B, A, B, ...), so
+background load hits both sides alike; the check and the explorers are medians of consecutive
+calls, in milliseconds; the notebooks are the better of two rounds (bench_notebooks). The JSON
+records the machine (cores, GPUs, versions) it ran on, and its speed at the run's start and end.
 
 Sections:
   strategy_cost      per-update time of token-normalised vs naive accumulation, capstone LM
@@ -24,7 +26,7 @@ Sections:
   check              check_accumulation's time on tiny_lm(16), 4 micro-batches, 1 and 2 processes (first call, median)
   widgets            widget answer time (compute + redraw), median and worst
   notebooks          each notebook's nbmake time as a multiple of a bare notebook's (import torch), the
-                     better of two rounds, each run over the bare runs just before and after it
+                     better of two rounds (one with --quick), each over the bare runs just before and after it
 """
 
 from __future__ import annotations
@@ -328,10 +330,11 @@ def bench_notebooks(quick: bool, before_lesson_07=None) -> dict:
     """Each lesson's nbmake time over a bare notebook's. Lesson 07 prints the saved run's figures, these
     times among them: it runs last, after ``before_lesson_07`` got the other lessons' results.
 
-    This machine's speed drifts by tens of percent within minutes (``machine()['pass_ms_*']``), and a
-    lesson's compute feels it more than a bare notebook's imports: every lesson runs in two rounds,
-    minutes apart, each run measured against the bare runs just before and after it, and the better
-    of its two ratios is kept (its seconds are that run's).
+    The machine's speed drifts by tens of percent within minutes (``pass_ms``), and a lesson's
+    compute feels it more than a bare notebook's imports: every lesson runs in two rounds (one with
+    ``quick``), minutes apart, each run measured against the mean of the bare runs just before and
+    after it, and the better of its ratios is kept, as timeit keeps the fastest of its runs (its
+    seconds are that run's; every round's are saved too). Lesson 07 sees the first round's figures.
     """
     rounds = 1 if quick else 2
     notebooks = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"), key=lambda p: p.name.startswith("07_"))
@@ -361,14 +364,16 @@ def bench_notebooks(quick: bool, before_lesson_07=None) -> dict:
 def _ratios(runs: dict, bare_times: list) -> dict:
     best = {name: min(done, key=lambda run: run[1]) for name, done in runs.items() if done}
     return {"bare_notebook_s": statistics.median(bare_times),
-            "notebooks": {name: {"seconds": s, "times_bare": ratio, "runs": len(runs[name])}
+            "notebooks": {name: {"seconds": s, "times_bare": ratio, "runs": len(runs[name]),
+                                 "every_round": [{"seconds": t, "times_bare": r} for t, r in runs[name]]}
                           for name, (s, ratio) in best.items()}}
 
 
 def pass_ms() -> float:
     """The machine's speed, to read this run's milliseconds by: one forward and backward of tiny_lm(16)
-    on 4 rows (float64, one thread), median of 40. The check's time is some 25 of these; this machine's
-    speed moved by up to 40 % within an hour, and this says where a run stood."""
+    on its first 4 rows (float64, one thread), median of 40. The check runs 25 forwards and 24 backwards
+    of that model (on 4-row micro-batches of 71 to 91 characters, one of 8 rows). On the machine the
+    suite is measured on, this took from 1.9 to 3.3 ms within one night."""
     import torch
 
     from gaccum_lib import tiny_lm

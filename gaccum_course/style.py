@@ -123,11 +123,13 @@ def _power_of_ten(value: float, _position=None) -> str:
 
 
 def powers_of_ten(ax, axis: str = "y") -> None:
-    """A log axis (``axis``: "x" or "y") labelled 10⁻¹⁵, 10⁻¹², ... in plain text, decades only.
+    """Label a log axis's major ticks (``axis``: "x" or "y") 10⁻¹⁵, 10⁻¹², ... in plain text; no minor labels.
 
-    Matplotlib labels a log axis with mathtext, laid out as a formula at every draw: on the lessons'
-    log panels that took a quarter of the figure's drawing (lesson 05's four log panels, 800 -> 590 ms).
-    Unicode superscripts look the same and are drawn as ordinary text.
+    Call it after setting the log scale (``set_yscale`` resets formatters), with ticks at decades
+    (``LogLocator``): a major tick between decades is labelled as a plain number (3e-05), and an axis
+    spanning less than a decade may be left with one label. Matplotlib's own labels are mathtext,
+    laid out as a formula at every draw: on the lessons' log panels that took a quarter of a figure's
+    drawing (lesson 05's two-by-two panels, 800 -> 590 ms). Unicode superscripts look nearly the same.
     """
     if axis not in ("x", "y"):
         raise ValueError(f"axis must be 'x' or 'y', got {axis!r}")

@@ -36,7 +36,7 @@ from .sharding import plan_windows, shard_batches
 from .simulate import Trajectory, compare_strategies, simulate
 from .strategies import LABELS, STRATEGIES, accelerate_backward_loss, plain_backward_loss
 
-freeze_imports()  # torch and Accelerate, imported above, stay for the process's life: no collection walks them
+freeze_imports()  # torch and numpy, imported above, stay for the process's life: no collection walks them
 
 __version__ = "0.1.0"
 

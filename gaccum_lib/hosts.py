@@ -56,11 +56,14 @@ def launch_from_notebook(function, args=(), *, num_processes: int = 2) -> None:
     check_int("num_processes", num_processes, minimum=1)
     import_before_fork(function)  # the ranks fork from this kernel: what it imported, they need not import again
 
+    kernel = os.getpid()
+
     def rank(*rank_args):
-        # As in gaccum_lib.launch: a forked rank never collects the kernel's objects (a destructor may wait on
-        # a thread the fork dropped), and its full collections (Accelerate runs one after every Trainer.train())
-        # do not walk them (gaccum_lib._gc).
-        gc.freeze()
+        if os.getpid() != kernel:  # one process runs here, in the kernel: nothing to freeze
+            # As in gaccum_lib.launch: a forked rank never collects the kernel's objects (a destructor may wait
+            # on a thread the fork dropped), and its full collections (Accelerate runs one at the start of every
+            # Trainer.train()) do not walk them (gaccum_lib._gc).
+            gc.freeze()
         try:
             return function(*rank_args)
         finally:

@@ -55,7 +55,7 @@ def tiny_causal_lm(kind: str = "llama", *, seed: int = 0, hidden_size: int = 32,
     global _transformers_frozen
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    if not _transformers_frozen:  # once, right after the first import of transformers' models
+    if not _transformers_frozen:  # once, at the first call: transformers' models were imported just above
         freeze_imports()
         _transformers_frozen = True
     check_choice("kind", kind, MODEL_KINDS)

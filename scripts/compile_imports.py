@@ -1,6 +1,6 @@
 """Write the bytecode (.pyc) of every module the suite imports, and only of those.
 
-`make env` installs with `pip install --no-compile`: pip would otherwise byte-compile every
+`make env` installs without byte-compiling (uv does not; pip gets `--no-compile`), which would cover every
 module of every package, 275 MiB of .pyc of which the lessons, tests and JupyterLab import
 about a fifth (transformers alone ships hundreds of models; two are used here). Importing the
 suite's entry points with bytecode writing switched on makes Python write exactly the .pyc
@@ -13,7 +13,8 @@ imported (or cached then, where bytecode writing is allowed).
 pytest keeps bytecode of its own for its plugins' packages (hypothesis, nbmake, xdist, anyio, ...):
 it rewrites their asserts and caches the result beside the plain .pyc, under another name. Where
 bytecode writing is off, each pytest process rewrote them again: 3-4 s of CPU per process here,
-in every nbmake run and every xdist worker. One tiny pytest session with writing on caches them.
+in every nbmake run and every xdist worker. One tiny pytest session with writing on, run with one
+xdist worker so that the worker's modules are imported too, caches them.
 """
 
 import importlib
@@ -42,7 +43,7 @@ GROUPS = [
         "ipykernel.kernelapp", "ipykernel.ipkernel", "matplotlib_inline.backend_inline", "jupyter_server.serverapp",
         "jupyterlab.labapp", "pytest", "_pytest.python", "xdist.plugin", "nbmake.pytest_plugin", "hypothesis",
         "nbclient", "nbformat", "nbconvert", "jupytext", "playwright.sync_api", "pytest_playwright.pytest_playwright",
-        # Imported later, by a launch or a lesson's last cells, so not by the entries above. Listed from a run of
+        # Imported lazily, during a lesson or in launched ranks, so not by the entries above. Listed from a run of
         # every lesson that logged each module compiled from source (none was cached): DeepSpeed alone, imported
         # by Accelerate's unwrap_model in the kernel and in every rank, compiled 449 files (1.1 s) 15 times.
         "deepspeed", "torch.distributed.algorithms.ddp_comm_hooks", "torch.distributed.launcher.api",
@@ -56,7 +57,9 @@ GROUPS = [
 
 def import_group(names: list) -> int:
     sys.dont_write_bytecode = False  # overrides PYTHONDONTWRITEBYTECODE in this worker
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed imported for its bytecode: no device probe, no notice
+    # DeepSpeed imported for its bytecode: no device probe, no notice (on a GPU machine its CUDA accelerator's
+    # modules are left to be compiled when first imported)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     for name in names:
         importlib.import_module(name)
     if "transformers" in names:  # lazy attributes: transformers imports their modules on first access
@@ -74,7 +77,7 @@ def cache_pytest_rewrites() -> None:
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / "test_nothing.py").write_text("def test_nothing():\n    pass\n")
         # Hypothesis's plugin imports hypothesis only at the session's end: the session must run a test.
-        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_nothing.py"],
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "1", "test_nothing.py"],
                        cwd=folder, env=environment, check=True, capture_output=True)
 
 
