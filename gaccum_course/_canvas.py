@@ -6,13 +6,19 @@ explorers answer a slider move in some 60 ms with this canvas, 95 ms without: ``
 :class:`ExplorerCanvas` remembers the fonts' metrics, each string's layout and each rendered
 glyph through Matplotlib's private internals, and draws the same pixels as plain Agg
 (tests/test_widgets.py compares them for every explorer, and the fallback without them).
+
+It also works out each axis's ticks once per draw, where Matplotlib does it up to three times
+(:func:`ticks_worked_out_once`): a quarter of a redraw.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import matplotlib
+import matplotlib.axes
+import matplotlib.axis
 import numpy as np
 from matplotlib import ft2font
 from matplotlib.backends.backend_agg import FigureCanvasAgg, RendererAgg, get_hinting_flag
@@ -27,6 +33,94 @@ def text_internals_available() -> bool:
 
 _TEXT_CACHE = text_internals_available()  # False: plain Agg (to measure without it, or where it is unavailable)
 _GLYPHS_KEPT = 50_000  # glyph bitmaps (of some 100 bytes each) before the cache starts over
+_TICK_INTERNALS = all(hasattr(matplotlib.axis.Axis, name) for name in ("_update_ticks", "_get_ticklabel_bboxes")) and \
+    all(hasattr(matplotlib.axes.Axes, name) for name in ("_update_title_position", "_twinned_axes"))
+
+
+@contextlib.contextmanager
+def ticks_worked_out_once(figure):
+    """During one draw of ``figure``: each axis's ticks, and their labels' extents, worked out once.
+
+    Matplotlib 3.11 works them out (locator, formatter, a layout of every tick label) up to three
+    times per axis and draw: to place the axes' title above them, to place the axis label beside
+    them, and to draw them. Within a draw the first answer serves all three; it is worked out
+    again if the axis's limits or the axes' place on the figure change (a layout engine, a fixed
+    aspect). The title's placement is skipped where nothing can sit above the axes (see
+    :func:`_title_in_place`). Afterwards the axes are as they were: a draw outside this block is
+    plain Matplotlib's.
+    """
+    if not _TICK_INTERNALS:  # another Matplotlib: plain draws
+        yield
+        return
+    patched = [axis for ax in figure.axes for axis in (ax.xaxis, ax.yaxis)]
+    for axis in patched:
+        _remember_ticks(axis)
+    for ax in figure.axes:
+        _title_in_place(ax)
+    try:
+        yield
+    finally:
+        for axis in patched:
+            del axis._update_ticks, axis._get_ticklabel_bboxes
+        for ax in figure.axes:
+            del ax._update_title_position
+
+
+def _title_in_place(ax) -> None:
+    """Shadow the axes' title placement: where nothing can sit above the axes, the titles stay at 1.0.
+
+    Matplotlib lifts a title over what it finds at the top of the axes: x ticks or an x label on
+    top, the y axis's offset text (a "1e-5" over the tick labels), twinned, child or aligned
+    axes. It measures all the tick labels to find out. Without any of those it puts the titles
+    at 1.0 of the axes' height (plus their pad), which is what this does without measuring.
+    """
+    place_titles = ax._update_title_position
+
+    def titles_in_place(renderer):
+        yaxis, xaxis = ax.yaxis, ax.xaxis
+        yaxis._update_ticks()  # (remembered) sets the formatter's offset for these limits
+        if (not getattr(ax, "_autotitlepos", None) or xaxis.get_ticks_position() in ("top", "unknown")
+                or xaxis.get_label_position() == "top" or ax.child_axes
+                or len(ax._twinned_axes.get_siblings(ax)) > 1
+                or len(ax.get_figure(root=False)._align_label_groups["title"].get_siblings(ax)) > 1
+                or (yaxis.offsetText.get_visible() and yaxis.major.formatter.get_offset())):
+            return place_titles(renderer)
+        for title in (ax.title, ax._left_title, ax._right_title):
+            title.set_position((title.get_position()[0], 1.0))
+        return None
+
+    ax._update_title_position = titles_in_place
+
+
+def _legend_state(legend) -> tuple:
+    """What a legend's pixels depend on besides its place: its texts and their font, and its handles."""
+    texts = tuple((t.get_text(), t.get_color(), hash(t.get_fontproperties())) for t in legend.get_texts())
+    handles = tuple((id(h), h.get_visible(), str(h.get_color()) if hasattr(h, "get_color") else None)
+                    for h in getattr(legend, "legend_handles", ()))
+    return texts, handles, legend.get_frame_on(), legend.get_alpha()
+
+
+def _remember_ticks(axis) -> None:
+    """Shadow the axis's tick computations with ones that remember their last answer."""
+    update_ticks, ticklabel_bboxes = axis._update_ticks, axis._get_ticklabel_bboxes
+    memo = {}
+
+    def where():  # what the answers depend on, besides the locator and formatter (fixed within a draw)
+        return tuple(axis.get_view_interval()), axis.axes.bbox.bounds
+
+    def remembered_update_ticks():
+        key = where()
+        if memo.get("ticks_for") != key:
+            memo["ticks_for"], memo["ticks"] = key, update_ticks()
+        return memo["ticks"]
+
+    def remembered_ticklabel_bboxes(ticks, renderer):
+        key = (where(), id(renderer), tuple(map(id, ticks)))
+        if memo.get("bboxes_for") != key:
+            memo["bboxes_for"], memo["bboxes"] = key, ticklabel_bboxes(ticks, renderer)
+        return memo["bboxes"]
+
+    axis._update_ticks, axis._get_ticklabel_bboxes = remembered_update_ticks, remembered_ticklabel_bboxes
 
 
 class _TextCachingRenderer(RendererAgg):
@@ -93,7 +187,61 @@ class _TextCachingRenderer(RendererAgg):
 
 
 class ExplorerCanvas(FigureCanvasAgg):
-    """An Agg canvas drawing with :class:`_TextCachingRenderer` (plain Agg where that is unavailable)."""
+    """An Agg canvas drawing with :class:`_TextCachingRenderer` (plain Agg where that is unavailable).
+
+    Each draw works out the ticks once (:func:`ticks_worked_out_once`) and pastes the figure's
+    legends from the previous draw where what lies under them did not change
+    (:meth:`_draw_legends`); the pixels are plain Agg's.
+    """
+
+    def __init__(self, figure=None):
+        super().__init__(figure)
+        self._legend_pixels = {}  # legend -> (region, pixels under it, pixels with it)
+
+    def draw(self):
+        legends = [legend for legend in self.figure.legends if legend.get_visible() and self._drawn_last(legend)]
+        for legend in legends:
+            legend.set_visible(False)
+        try:
+            with ticks_worked_out_once(self.figure):
+                super().draw()
+        finally:
+            for legend in legends:
+                legend.set_visible(True)
+        self._draw_legends(legends)
+
+    def _drawn_last(self, legend) -> bool:
+        # Pasting it after the figure's draw gives the same pixels only if nothing is drawn over it.
+        return all(a is legend or not a.get_visible() or a.get_zorder() < legend.get_zorder()
+                   for a in self.figure.get_children() if a is not self.figure.patch)
+
+    def _draw_legends(self, legends) -> None:
+        """Draw each legend over the finished figure, or paste its pixels from the last draw.
+
+        An explorer's legend stays the same while the lines change: drawing it (frame, handles,
+        labels) is a seventh of a redraw. Its pixels are pasted back only where the pixels under
+        its box, drawn without it, are exactly those of the last draw, and its own state (texts,
+        handles, place) is what it was; anything else draws it again.
+        """
+        renderer = self.get_renderer()
+        pixels = np.asarray(renderer.buffer_rgba())
+        height, width = pixels.shape[:2]
+        for legend in legends:
+            box = legend.get_window_extent(renderer)
+            # Whole pixels around the box, with room for antialiasing at its edges.
+            x0, x1 = max(math.floor(box.x0) - 2, 0), min(math.ceil(box.x1) + 2, width)
+            y0, y1 = max(height - math.ceil(box.y1) - 2, 0), min(height - math.floor(box.y0) + 2, height)
+            region = (x0, x1, y0, y1, _legend_state(legend))
+            under = pixels[y0:y1, x0:x1]
+            kept = self._legend_pixels.get(legend)
+            if kept is not None and kept[0] == region and np.array_equal(kept[1], under):
+                under[...] = kept[2]
+                continue
+            saved_under = under.copy()
+            legend.draw(renderer)
+            self._legend_pixels[legend] = (region, saved_under, pixels[y0:y1, x0:x1].copy())
+        for legend in set(self._legend_pixels) - set(legends):
+            del self._legend_pixels[legend]
 
     def get_renderer(self):
         # FigureCanvasAgg's, with the renderer's class chosen (again) at every draw.

@@ -178,7 +178,8 @@ class WeightPathPlot:
                                     self.resolution)
             # Under the paths however often it is redrawn (contour lines share the lines' zorder 2 by default).
             self.contours = self.ax.contour(a, b, grid, levels=14, colors="0.55", linewidths=0.8, zorder=1.9)
-            self.ax.clabel(self.contours, fontsize=10, fmt="%.2f")
+            # Every other level labelled: readable, and placing a label costs more than drawing a line.
+            self.ax.clabel(self.contours, self.contours.levels[::2], fontsize=10, fmt="%.2f")
         self.background_key = key
 
     def _build(self, dims: int, trajectories: dict) -> None:

@@ -1,0 +1,119 @@
+"""The explorers' canvas (gaccum_course._canvas): its shortcuts must leave plain Agg's pixels.
+
+It works out each axis's ticks once per draw, places titles without measuring where nothing can
+sit above the axes, and pastes a legend whose surroundings did not change. Each case below is one
+where a shortcut would be wrong if it were taken blindly; the pixels must still be plain Agg's.
+"""
+
+import matplotlib
+import numpy as np
+import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from gaccum_course import _canvas
+from gaccum_course._canvas import ExplorerCanvas
+from gaccum_course.style import RC
+
+
+def plain_agg(figure) -> np.ndarray:
+    with matplotlib.rc_context(RC):
+        canvas = FigureCanvasAgg(figure)
+        canvas.draw()
+        return np.asarray(canvas.buffer_rgba()).copy()
+
+
+def explorer_canvas(figure) -> np.ndarray:
+    with matplotlib.rc_context(RC):
+        canvas = ExplorerCanvas(figure)
+        canvas.draw()
+        return np.asarray(canvas.buffer_rgba()).copy()
+
+
+def two_panels():
+    figure = Figure(figsize=(8, 4), dpi=72)
+    left, right = figure.subplots(1, 2)
+    figure.subplots_adjust(bottom=0.3)
+    for ax in (left, right):
+        ax.plot([0, 1, 2], [1, 3, 2], label="a")
+        ax.plot([0, 1, 2], [2, 1, 3], label="b")
+        ax.set_title("a title")
+        ax.set_xlabel("x")
+        ax.set_ylabel("y")
+    figure.legend(*left.get_legend_handles_labels(), loc="lower center", ncol=2)
+    return figure, left, right
+
+
+@pytest.mark.parametrize("case", ["plain", "ticks on top", "x label on top", "offset text", "twin axes",
+                                  "log axis"])
+def test_titles_and_ticks_come_out_where_plain_agg_puts_them(case):
+    figure, left, right = two_panels()
+    if case == "ticks on top":
+        left.xaxis.tick_top()
+    elif case == "x label on top":
+        left.xaxis.set_label_position("top")
+    elif case == "offset text":  # a "+1e5" above the y tick labels: Matplotlib lifts the title over it
+        left.plot([0, 2], [100_000.0, 100_000.5])
+    elif case == "twin axes":
+        left.twiny().set_xlabel("a top label")
+    elif case == "log axis":
+        right.set_yscale("log")
+    np.testing.assert_array_equal(explorer_canvas(figure), plain_agg(figure))
+
+
+def test_after_a_draw_the_axes_are_plain_matplotlib_again():
+    figure, left, right = two_panels()
+    explorer_canvas(figure)
+    for ax in (left, right):
+        assert "_update_title_position" not in vars(ax)
+        for axis in (ax.xaxis, ax.yaxis):
+            assert not {"_update_ticks", "_get_ticklabel_bboxes"} & set(vars(axis))
+
+
+def drawn_twice(change):
+    """An explorer's canvas drawing a figure, ``change(...)`` made, and drawing it again; plain Agg's too."""
+    figure, left, right = two_panels()
+    canvas = ExplorerCanvas(figure)
+    legend = figure.legends[0]
+    draws = []
+    original = legend.draw
+    legend.draw = lambda renderer: (draws.append(legend.get_visible()), original(renderer))[1]
+    with matplotlib.rc_context(RC):
+        canvas.draw()
+        change(figure, left, right, legend)
+        canvas.draw()
+    legend_draws = sum(draws)  # the times it was drawn (the figure also calls it while hidden)
+    return np.asarray(canvas.buffer_rgba()).copy(), plain_agg(figure), legend_draws
+
+
+def test_a_legend_is_pasted_when_only_the_lines_change():
+    def move_lines(figure, left, right, legend):
+        left.lines[0].set_ydata([3, 1, 2])  # inside the axes, limits kept
+    ours, plain, legend_draws = drawn_twice(move_lines)
+    np.testing.assert_array_equal(ours, plain)
+    assert legend_draws == 1  # drawn once, pasted the second time
+
+
+@pytest.mark.parametrize("change", ["text under it", "its text", "its place", "a handle hidden", "over it"])
+def test_a_legend_is_drawn_again_when_it_or_what_lies_under_it_changes(change):
+    def make_change(figure, left, right, legend):
+        if change == "text under it":
+            figure.text(0.5, 0.05, "under the legend", ha="center", zorder=1)
+        elif change == "its text":
+            legend.get_texts()[0].set_text("a, renamed")
+        elif change == "its place":
+            legend.set_bbox_to_anchor((0.5, 0.1), transform=figure.transFigure)
+        elif change == "a handle hidden":
+            legend.legend_handles[1].set_visible(False)
+        elif change == "over it":  # drawn above the legend: the legend is drawn in its turn
+            figure.text(0.5, 0.05, "over the legend", ha="center", zorder=10)
+    ours, plain, legend_draws = drawn_twice(make_change)
+    np.testing.assert_array_equal(ours, plain)
+    assert legend_draws == 2
+
+
+def test_without_matplotlibs_tick_internals_draws_are_plain(monkeypatch):
+    monkeypatch.setattr(_canvas, "_TICK_INTERNALS", False)
+    figure, left, right = two_panels()
+    np.testing.assert_array_equal(explorer_canvas(figure), plain_agg(figure))
+    assert "_update_ticks" not in vars(left.xaxis)
