@@ -14,11 +14,14 @@ It also works out each axis's ticks once per draw, where Matplotlib does it up t
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import matplotlib
 import matplotlib.axes
 import matplotlib.axis
+import matplotlib.legend
+import matplotlib.transforms
 import numpy as np
 from matplotlib import ft2font
 from matplotlib.backends.backend_agg import FigureCanvasAgg, RendererAgg, get_hinting_flag
@@ -92,12 +95,36 @@ def _title_in_place(ax) -> None:
     ax._update_title_position = titles_in_place
 
 
-def _legend_state(legend) -> tuple:
-    """What a legend's pixels depend on besides its place: its texts and their font, and its handles."""
-    texts = tuple((t.get_text(), t.get_color(), hash(t.get_fontproperties())) for t in legend.get_texts())
-    handles = tuple((id(h), h.get_visible(), str(h.get_color()) if hasattr(h, "get_color") else None)
-                    for h in getattr(legend, "legend_handles", ()))
-    return texts, handles, legend.get_frame_on(), legend.get_alpha()
+def _text_state(text) -> tuple:
+    return (text.get_visible(), text.get_text(), str(text.get_color()), hash(text.get_fontproperties()),
+            text.get_rotation())
+
+
+def _state_of(artist, renderer):
+    """(what the artist's pixels depend on besides its style, the box it paints) for a legend or an axis."""
+    if isinstance(artist, matplotlib.legend.Legend):
+        texts = tuple(_text_state(t) for t in artist.get_texts())
+        handles = tuple((id(h), h.get_visible(), str(h.get_color()) if hasattr(h, "get_color") else None)
+                        for h in getattr(artist, "legend_handles", ()))
+        return (texts, handles, artist.get_frame_on(), artist.get_alpha()), artist.get_window_extent(renderer)
+    axis, ax = artist, artist.axes
+    ticks = tuple((t.get_loc(), *(_text_state(text) for text in (t.label1, t.label2)),
+                   *(line.get_visible() for line in (t.tick1line, t.tick2line, t.gridline)))
+                  for t in axis._update_ticks())
+    # What tick_params and grid set for all the ticks (their size, direction, colours, the grid's).
+    styles = (tuple(repr(sorted(kw.items())) for kw in (axis._major_tick_kw, axis._minor_tick_kw))
+              if hasattr(axis, "_minor_tick_kw") else object())  # unknown: never equal, always drawn
+    state = (tuple(axis.get_view_interval()), ax.bbox.bounds, ticks, styles, _text_state(axis.label),
+             _text_state(axis.offsetText))
+    # Its ticks, labels and offset text, the grid lines inside the axes, and the tick marks between.
+    tick_length = max((t.tick1line.get_markersize() + t.tick1line.get_markeredgewidth()
+                       for t in axis.majorTicks[:1] + axis.minorTicks[:1]), default=0.0)
+    reach = tick_length * ax.get_figure(root=True).dpi / 72
+    boxes = [ax.bbox.padded(reach)]
+    tight = axis.get_tightbbox(renderer)
+    if tight is not None:
+        boxes.append(tight)
+    return state, matplotlib.transforms.Bbox.union(boxes)
 
 
 def _remember_ticks(axis) -> None:
@@ -189,59 +216,71 @@ class _TextCachingRenderer(RendererAgg):
 class ExplorerCanvas(FigureCanvasAgg):
     """An Agg canvas drawing with :class:`_TextCachingRenderer` (plain Agg where that is unavailable).
 
-    Each draw works out the ticks once (:func:`ticks_worked_out_once`) and pastes the figure's
-    legends from the previous draw where what lies under them did not change
-    (:meth:`_draw_legends`); the pixels are plain Agg's.
+    Each draw works out the ticks once (:func:`ticks_worked_out_once`) and pastes the pixels of
+    an axis or a legend that did not change from the last draw (:meth:`_pasted_or_drawn`); the
+    pixels are plain Agg's.
     """
 
     def __init__(self, figure=None):
         super().__init__(figure)
-        self._legend_pixels = {}  # legend -> (region, pixels under it, pixels with it)
+        self._kept = {}  # artist -> (its state and region, the pixels under it, the pixels with it)
 
     def draw(self):
-        legends = [legend for legend in self.figure.legends if legend.get_visible() and self._drawn_last(legend)]
-        for legend in legends:
-            legend.set_visible(False)
+        with ticks_worked_out_once(self.figure), self._pasting_what_did_not_change():
+            super().draw()
+
+    @contextlib.contextmanager
+    def _pasting_what_did_not_change(self):
+        """During one draw, the figure's legends and its axes' x and y axes drawn by :meth:`_pasted_or_drawn`."""
+        artists = list(self.figure.legends)
+        if _TICK_INTERNALS:
+            artists += [axis for ax in self.figure.axes for axis in (ax.xaxis, ax.yaxis)]
+        own_draws = {artist: vars(artist).get("draw") for artist in artists}  # an instance's own, kept
+        for artist in artists:
+            # Matplotlib marks a legend stale when one of its properties is set: then it is drawn. An
+            # axis is marked stale by every set_xlim, even to the same limits (the explorers set them
+            # at every answer): its state (:func:`_state_of`) says whether it changed.
+            unchanged = not artist.stale if isinstance(artist, matplotlib.legend.Legend) else True
+            artist.draw = functools.partial(self._pasted_or_drawn, artist, artist.draw, unchanged)
+        for artist in set(self._kept) - set(artists):
+            del self._kept[artist]
         try:
-            with ticks_worked_out_once(self.figure):
-                super().draw()
+            yield
         finally:
-            for legend in legends:
-                legend.set_visible(True)
-        self._draw_legends(legends)
+            for artist, own in own_draws.items():
+                if own is None:
+                    del artist.draw
+                else:
+                    artist.draw = own
 
-    def _drawn_last(self, legend) -> bool:
-        # Pasting it after the figure's draw gives the same pixels only if nothing is drawn over it.
-        return all(a is legend or not a.get_visible() or a.get_zorder() < legend.get_zorder()
-                   for a in self.figure.get_children() if a is not self.figure.patch)
+    def _pasted_or_drawn(self, artist, draw, unchanged: bool, renderer) -> None:
+        """Draw ``artist``, or paste the pixels it gave last time if nothing they depend on changed.
 
-    def _draw_legends(self, legends) -> None:
-        """Draw each legend over the finished figure, or paste its pixels from the last draw.
-
-        An explorer's legend stays the same while the lines change: drawing it (frame, handles,
-        labels) is a seventh of a redraw. Its pixels are pasted back only where the pixels under
-        its box, drawn without it, are exactly those of the last draw, and its own state (texts,
-        handles, place) is what it was; anything else draws it again.
+        An explorer's legend and most of its axes (ticks, tick labels, grid lines, axis labels)
+        stay the same while the lines change, and drawing them is most of a redraw. The pixels
+        are pasted only where the artist is as it was (not marked stale, the same place, texts,
+        ticks and limits: :func:`_state_of`) and the pixels under it, what was drawn before it
+        in this draw, are exactly those of the last time; anything else draws it again.
         """
-        renderer = self.get_renderer()
+        if not artist.get_visible() or renderer is not getattr(self, "renderer", None):
+            return draw(renderer)
         pixels = np.asarray(renderer.buffer_rgba())
+        state, box = _state_of(artist, renderer)
         height, width = pixels.shape[:2]
-        for legend in legends:
-            box = legend.get_window_extent(renderer)
-            # Whole pixels around the box, with room for antialiasing at its edges.
-            x0, x1 = max(math.floor(box.x0) - 2, 0), min(math.ceil(box.x1) + 2, width)
-            y0, y1 = max(height - math.ceil(box.y1) - 2, 0), min(height - math.floor(box.y0) + 2, height)
-            region = (x0, x1, y0, y1, _legend_state(legend))
-            under = pixels[y0:y1, x0:x1]
-            kept = self._legend_pixels.get(legend)
-            if kept is not None and kept[0] == region and np.array_equal(kept[1], under):
-                under[...] = kept[2]
-                continue
-            saved_under = under.copy()
-            legend.draw(renderer)
-            self._legend_pixels[legend] = (region, saved_under, pixels[y0:y1, x0:x1].copy())
-        for legend in set(self._legend_pixels) - set(legends):
-            del self._legend_pixels[legend]
+        # Whole pixels around its box, with room for antialiasing at the edges.
+        x0, x1 = max(math.floor(box.x0) - 3, 0), min(math.ceil(box.x1) + 3, width)
+        y0, y1 = max(height - math.ceil(box.y1) - 3, 0), min(height - math.floor(box.y0) + 3, height)
+        key = (state, (x0, x1, y0, y1))
+        window = pixels[y0:y1, x0:x1]
+        kept = self._kept.get(artist)
+        if unchanged and kept is not None and kept[0] == key and np.array_equal(kept[1], window):
+            window[...] = kept[2]
+            artist.stale = False
+            return None
+        under = window.copy()
+        draw(renderer)
+        self._kept[artist] = (key, under, window.copy())
+        return None
 
     def get_renderer(self):
         # FigureCanvasAgg's, with the renderer's class chosen (again) at every draw.

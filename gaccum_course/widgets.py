@@ -20,9 +20,10 @@ from .live_plots import DistanceFromReferencePlot, WeightPathPlot, WeightTraject
 from .style import OKABE_ITO, legend_below, room_for_legend_below, style_for
 
 # Points per side of the loss grid behind an explorer's weight path. The lessons' loss surfaces
-# are smooth (straight contours for the sequence models): 21 x 21 draws the contours of 41 x 41,
-# and evaluating the grid (every weight pair over the whole data) takes a quarter of the time.
-EXPLORER_GRID = 21
+# are smooth (straight contours for the sequence models): 15 x 15 draws the contours of 41 x 41,
+# and evaluating the grid (every weight pair over the whole data, redone whenever the limits or
+# the data change) takes 12 ms instead of 82.
+EXPLORER_GRID = 15
 
 __all__ = ["DPI", "Drawing", "Explorer", "ExplorerState", "launch_explorer", "regression_explorer",
            "schedule_explorer", "trainer_count_explorer", "variable_length_explorer"]

@@ -6,6 +6,8 @@ where a shortcut would be wrong if it were taken blindly; the pixels must still 
 """
 
 import matplotlib
+import matplotlib.axis
+import matplotlib.legend
 import numpy as np
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -31,8 +33,10 @@ def explorer_canvas(figure) -> np.ndarray:
 
 
 def two_panels():
+    """Two panels and a legend below, as an explorer draws them (the suite's style: grid lines on)."""
     figure = Figure(figsize=(8, 4), dpi=72)
-    left, right = figure.subplots(1, 2)
+    with matplotlib.rc_context(RC):
+        left, right = figure.subplots(1, 2)
     figure.subplots_adjust(bottom=0.3)
     for ax in (left, right):
         ax.plot([0, 1, 2], [1, 3, 2], label="a")
@@ -70,32 +74,48 @@ def test_after_a_draw_the_axes_are_plain_matplotlib_again():
             assert not {"_update_ticks", "_get_ticklabel_bboxes"} & set(vars(axis))
 
 
-def drawn_twice(change):
-    """An explorer's canvas drawing a figure, ``change(...)`` made, and drawing it again; plain Agg's too."""
+def drawn_twice(change, monkeypatch):
+    """An explorer's canvas drawing a figure, ``change(...)`` made, and drawing it again; plain Agg's too.
+
+    Also returns how often the legend was drawn (not pasted) and how often an axis was.
+    """
     figure, left, right = two_panels()
     canvas = ExplorerCanvas(figure)
     legend = figure.legends[0]
-    draws = []
-    original = legend.draw
-    legend.draw = lambda renderer: (draws.append(legend.get_visible()), original(renderer))[1]
+    draws = {"legend": 0, "axis": 0}
+    for kind, cls in (("legend", matplotlib.legend.Legend), ("axis", matplotlib.axis.Axis)):
+        original = cls.draw
+        monkeypatch.setattr(cls, "draw", lambda self, renderer, kind=kind, original=original: (
+            draws.__setitem__(kind, draws[kind] + 1), original(self, renderer))[1])
     with matplotlib.rc_context(RC):
         canvas.draw()
         change(figure, left, right, legend)
         canvas.draw()
-    legend_draws = sum(draws)  # the times it was drawn (the figure also calls it while hidden)
-    return np.asarray(canvas.buffer_rgba()).copy(), plain_agg(figure), legend_draws
+    drawn = dict(draws)
+    monkeypatch.undo()
+    return np.asarray(canvas.buffer_rgba()).copy(), plain_agg(figure), drawn
 
 
-def test_a_legend_is_pasted_when_only_the_lines_change():
+def test_a_legend_and_axes_are_pasted_when_only_the_lines_change(monkeypatch):
     def move_lines(figure, left, right, legend):
         left.lines[0].set_ydata([3, 1, 2])  # inside the axes, limits kept
-    ours, plain, legend_draws = drawn_twice(move_lines)
+    ours, plain, drawn = drawn_twice(move_lines, monkeypatch)
     np.testing.assert_array_equal(ours, plain)
-    assert legend_draws == 1  # drawn once, pasted the second time
+    assert drawn == {"legend": 1, "axis": 4}  # drawn once, pasted the second time
+
+
+def test_an_axis_whose_limits_change_is_drawn_again(monkeypatch):
+    def widen(figure, left, right, legend):
+        left.set_ylim(0, 5)
+    ours, plain, drawn = drawn_twice(widen, monkeypatch)
+    np.testing.assert_array_equal(ours, plain)
+    # The left y axis is drawn again, and the right one where its box (its labels between the
+    # panels) reaches over the left panel's new grid lines; the x axes are pasted.
+    assert drawn["legend"] == 1 and 4 + 1 <= drawn["axis"] <= 4 + 2
 
 
 @pytest.mark.parametrize("change", ["text under it", "its text", "its place", "a handle hidden", "over it"])
-def test_a_legend_is_drawn_again_when_it_or_what_lies_under_it_changes(change):
+def test_a_legend_is_drawn_again_when_it_or_what_lies_under_it_changes(change, monkeypatch):
     def make_change(figure, left, right, legend):
         if change == "text under it":
             figure.text(0.5, 0.05, "under the legend", ha="center", zorder=1)
@@ -105,11 +125,34 @@ def test_a_legend_is_drawn_again_when_it_or_what_lies_under_it_changes(change):
             legend.set_bbox_to_anchor((0.5, 0.1), transform=figure.transFigure)
         elif change == "a handle hidden":
             legend.legend_handles[1].set_visible(False)
-        elif change == "over it":  # drawn above the legend: the legend is drawn in its turn
+        elif change == "over it":  # drawn after the legend, over it: the legend itself is pasted
             figure.text(0.5, 0.05, "over the legend", ha="center", zorder=10)
-    ours, plain, legend_draws = drawn_twice(make_change)
+    ours, plain, drawn = drawn_twice(make_change, monkeypatch)
     np.testing.assert_array_equal(ours, plain)
-    assert legend_draws == 2
+    assert drawn["legend"] == (1 if change == "over it" else 2)
+
+
+@pytest.mark.parametrize("change", ["tick parameters", "grid off", "label text", "label size",
+                                    "one tick label's colour", "a tick mark hidden", "moved axes"])
+def test_an_axis_is_drawn_again_when_it_changes(change, monkeypatch):
+    def make_change(figure, left, right, legend):
+        if change == "tick parameters":
+            left.tick_params(labelsize=7)
+        elif change == "grid off":
+            left.grid(False)
+        elif change == "label text":
+            left.set_xlabel("another x")
+        elif change == "label size":  # not marked stale by Matplotlib
+            left.xaxis.label.set_fontsize(20)
+        elif change == "one tick label's colour":  # not marked stale by Matplotlib either
+            left.xaxis.get_major_ticks()[1].label1.set_color("red")
+        elif change == "a tick mark hidden":
+            left.xaxis.get_major_ticks()[1].tick1line.set_visible(False)
+        elif change == "moved axes":
+            left.set_position([0.1, 0.4, 0.3, 0.4])
+    ours, plain, drawn = drawn_twice(make_change, monkeypatch)
+    np.testing.assert_array_equal(ours, plain)
+    assert drawn["axis"] > 4
 
 
 def test_without_matplotlibs_tick_internals_draws_are_plain(monkeypatch):
