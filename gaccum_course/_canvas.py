@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from typing import NamedTuple
 
 import matplotlib
 import matplotlib.axes
@@ -100,13 +101,14 @@ def _text_state(text) -> tuple:
             text.get_rotation())
 
 
-def _state_of(artist, renderer):
-    """(what the artist's pixels depend on besides its style, the box it paints) for a legend or an axis."""
+def _state_of(artist) -> tuple:
+    """What a legend's or an axis's pixels depend on besides the pixels under it (and their box)."""
     if isinstance(artist, matplotlib.legend.Legend):
         texts = tuple(_text_state(t) for t in artist.get_texts())
         handles = tuple((id(h), h.get_visible(), str(h.get_color()) if hasattr(h, "get_color") else None)
                         for h in getattr(artist, "legend_handles", ()))
-        return (texts, handles, artist.get_frame_on(), artist.get_alpha()), artist.get_window_extent(renderer)
+        anchor = artist.get_bbox_to_anchor()
+        return texts, handles, artist.get_frame_on(), artist.get_alpha(), anchor.bounds, artist._loc
     axis, ax = artist, artist.axes
     ticks = tuple((t.get_loc(), *(_text_state(text) for text in (t.label1, t.label2)),
                    *(line.get_visible() for line in (t.tick1line, t.tick2line, t.gridline)))
@@ -114,17 +116,24 @@ def _state_of(artist, renderer):
     # What tick_params and grid set for all the ticks (their size, direction, colours, the grid's).
     styles = (tuple(repr(sorted(kw.items())) for kw in (axis._major_tick_kw, axis._minor_tick_kw))
               if hasattr(axis, "_minor_tick_kw") else object())  # unknown: never equal, always drawn
-    state = (tuple(axis.get_view_interval()), ax.bbox.bounds, ticks, styles, _text_state(axis.label),
-             _text_state(axis.offsetText))
-    # Its ticks, labels and offset text, the grid lines inside the axes, and the tick marks between.
+    return (tuple(axis.get_view_interval()), ax.bbox.bounds, ticks, styles, _text_state(axis.label),
+            axis.labelpad, axis.label.get_position() if not axis._autolabelpos else None,
+            _text_state(axis.offsetText))
+
+
+def _box_of(artist, renderer):
+    """The box a legend or an axis paints: for an axis, its ticks, labels, offset text, grid lines."""
+    if isinstance(artist, matplotlib.legend.Legend):
+        return artist.get_window_extent(renderer)
+    axis, ax = artist, artist.axes
+    # The grid lines inside the axes, the tick marks around them, the tick labels and labels beyond.
     tick_length = max((t.tick1line.get_markersize() + t.tick1line.get_markeredgewidth()
                        for t in axis.majorTicks[:1] + axis.minorTicks[:1]), default=0.0)
-    reach = tick_length * ax.get_figure(root=True).dpi / 72
-    boxes = [ax.bbox.padded(reach)]
+    boxes = [ax.bbox.padded(tick_length * ax.get_figure(root=True).dpi / 72)]
     tight = axis.get_tightbbox(renderer)
     if tight is not None:
         boxes.append(tight)
-    return state, matplotlib.transforms.Bbox.union(boxes)
+    return matplotlib.transforms.Bbox.union(boxes)
 
 
 def _remember_ticks(axis) -> None:
@@ -213,6 +222,15 @@ class _TextCachingRenderer(RendererAgg):
         return None
 
 
+class _Kept(NamedTuple):
+    """An artist as it was drawn last: its state, the pixels it painted, those under it and with it."""
+
+    state: tuple
+    region: tuple  # x0, x1, y0, y1 in the buffer's pixels (y downwards)
+    under: np.ndarray
+    drawn: np.ndarray
+
+
 class ExplorerCanvas(FigureCanvasAgg):
     """An Agg canvas drawing with :class:`_TextCachingRenderer` (plain Agg where that is unavailable).
 
@@ -223,7 +241,7 @@ class ExplorerCanvas(FigureCanvasAgg):
 
     def __init__(self, figure=None):
         super().__init__(figure)
-        self._kept = {}  # artist -> (its state and region, the pixels under it, the pixels with it)
+        self._kept = {}  # artist -> _Kept
 
     def draw(self):
         with ticks_worked_out_once(self.figure), self._pasting_what_did_not_change():
@@ -258,28 +276,32 @@ class ExplorerCanvas(FigureCanvasAgg):
 
         An explorer's legend and most of its axes (ticks, tick labels, grid lines, axis labels)
         stay the same while the lines change, and drawing them is most of a redraw. The pixels
-        are pasted only where the artist is as it was (not marked stale, the same place, texts,
-        ticks and limits: :func:`_state_of`) and the pixels under it, what was drawn before it
-        in this draw, are exactly those of the last time; anything else draws it again.
+        are pasted only where the artist is as it was (the same place, texts, ticks, limits and
+        tick styles: :func:`_state_of`; a legend not marked stale) and the pixels under it, what
+        was drawn before it in this draw, are exactly those of the last time; anything else draws
+        it again. The box it paints is worked out again only when its state changed.
         """
         if not artist.get_visible() or renderer is not getattr(self, "renderer", None):
             return draw(renderer)
         pixels = np.asarray(renderer.buffer_rgba())
-        state, box = _state_of(artist, renderer)
-        height, width = pixels.shape[:2]
-        # Whole pixels around its box, with room for antialiasing at the edges.
-        x0, x1 = max(math.floor(box.x0) - 3, 0), min(math.ceil(box.x1) + 3, width)
-        y0, y1 = max(height - math.ceil(box.y1) - 3, 0), min(height - math.floor(box.y0) + 3, height)
-        key = (state, (x0, x1, y0, y1))
-        window = pixels[y0:y1, x0:x1]
+        state = (_state_of(artist), pixels.shape)
         kept = self._kept.get(artist)
-        if unchanged and kept is not None and kept[0] == key and np.array_equal(kept[1], window):
-            window[...] = kept[2]
+        same = kept is not None and kept.state == state
+        if same:
+            x0, x1, y0, y1 = kept.region
+        else:
+            box, (height, width) = _box_of(artist, renderer), pixels.shape[:2]
+            # Whole pixels around its box, with room for antialiasing at the edges.
+            x0, x1 = max(math.floor(box.x0) - 3, 0), min(math.ceil(box.x1) + 3, width)
+            y0, y1 = max(height - math.ceil(box.y1) - 3, 0), min(height - math.floor(box.y0) + 3, height)
+        window = pixels[y0:y1, x0:x1]
+        if unchanged and same and np.array_equal(kept.under, window):
+            window[...] = kept.drawn
             artist.stale = False
             return None
         under = window.copy()
         draw(renderer)
-        self._kept[artist] = (key, under, window.copy())
+        self._kept[artist] = _Kept(state, (x0, x1, y0, y1), under, window.copy())
         return None
 
     def get_renderer(self):

@@ -237,20 +237,30 @@ def results():
     return _RESULTS
 
 
+def _records(terminalreporter) -> list[dict]:
+    """Every test's timings: from this process, or (under pytest-xdist) from the workers' reports."""
+    records = [value for reports in terminalreporter.stats.values() for report in reports
+               if getattr(report, "when", None) == "call"
+               for key, value in getattr(report, "user_properties", ()) if key == "browser"]
+    return sorted(records, key=lambda r: r["notebook"]) if records else list(_RESULTS)
+
+
 def pytest_terminal_summary(terminalreporter):
-    if not _RESULTS:
+    records = _records(terminalreporter)
+    if not records:
         return
     write = terminalreporter.write_line
     if terminalreporter.stats.get("failed") or terminalreporter.stats.get("error"):
-        for log in _LAB_LOG:
-            terminalreporter.section("JupyterLab log (last 30 lines)")
+        # Each JupyterLab (one per worker) logs to its own file; the records name them.
+        for log in sorted({Path(r["lab_log"]) for r in records if r.get("lab_log")} | set(_LAB_LOG)):
+            terminalreporter.section(f"JupyterLab log (last 30 lines): {log}")
             write("\n".join(log.read_text(errors="replace").splitlines()[-30:]))
     terminalreporter.section("notebooks in a real browser")
     nan = float("nan")
-    for r in _RESULTS:
+    for r in records:
         write(f"{r['notebook']:<34} open {r.get('open_s', nan):4.1f} s  run all {r.get('run_s', nan):4.1f} s  "
               f"whole test {r.get('total_s', nan):4.1f} s  sliders moved {r.get('sliders', 0)}  "
               f"buttons clicked {r.get('buttons', 0)}")
-    write(f"screenshots ({len(_RESULTS)}), one per notebook:")
-    for r in _RESULTS:
+    write(f"screenshots ({len(records)}), one per notebook:")
+    for r in records:
         write(f"  {r.get('screenshot', '(none)')}")

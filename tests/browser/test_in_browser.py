@@ -221,12 +221,13 @@ def _exercise_widgets(page, record: dict) -> None:
         assert not bad, f"widget output {i}: {' and '.join(done)}, and it shows {bad.group(0)!r}:\n{text[-3000:]}"
 
 
-def test_notebook_in_browser(notebook, page, lab, results, screenshots):
+def test_notebook_in_browser(notebook, page, lab, results, screenshots, request):
     """`notebook` is every notebook under test (conftest.py parametrizes it)."""
     name = notebook.name
     source = json.loads(notebook.read_text())
-    record = {"notebook": name}
+    record = {"notebook": name, "lab_log": str(lab.log)}
     results.append(record)
+    request.node.user_properties.append(("browser", record))  # what a pytest-xdist worker reports back
     console_errors = []
     page.on("console", lambda m: m.type == "error" and console_errors.append(f"console: {m.text} ({m.location})"))
     page.on("pageerror", lambda e: console_errors.append(f"page error: {e}"))
