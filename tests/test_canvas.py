@@ -160,3 +160,17 @@ def test_without_matplotlibs_tick_internals_draws_are_plain(monkeypatch):
     figure, left, right = two_panels()
     np.testing.assert_array_equal(explorer_canvas(figure), plain_agg(figure))
     assert "_update_ticks" not in vars(left.xaxis)
+
+
+def test_the_explorers_png_decodes_to_the_canvas_pixels():
+    import io
+
+    from PIL import Image
+
+    figure, left, right = two_panels()
+    rgba = explorer_canvas(figure)
+    data = _canvas.png_bytes(rgba)
+    decoded = Image.open(io.BytesIO(data))
+    assert decoded.format == "PNG" and decoded.mode == "RGB" and decoded.size == (rgba.shape[1], rgba.shape[0])
+    np.testing.assert_array_equal(np.asarray(decoded), rgba[:, :, :3])
+    assert len(data) < rgba.nbytes / 10  # compressed, not stored
