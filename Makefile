@@ -20,7 +20,8 @@ TORCH_VERSION := 2.13.0
 TORCH_VARIANT ?= cpu
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/$(TORCH_VARIANT)
 LAB_PORT ?= 8888
-# Notebooks, unit tests and the browser run in parallel under pytest-xdist; `make test NB_WORKERS=0` runs them one by one.
+# Unit tests, notebooks (also `make colab`, and `make html`'s runs) and the browser run NB_WORKERS at a time;
+# `make test NB_WORKERS=0` runs them one by one.
 NB_WORKERS ?= 2
 EXECUTED := build/executed
 
@@ -123,7 +124,7 @@ pythons:
 # plots, launch buttons answer. Screenshots go to build/screenshots/. The browser comes first:
 # tests/browser/chromium.py finds an installed Chrome/Chromium, or installs Debian's Chromium
 # (as root or through passwordless sudo), or stops here naming the one command that fixes it.
-# Two workers, as for the notebooks: each runs its own JupyterLab and Chromium (203 s -> 144 s here).
+# Two workers, as for the notebooks: each runs its own JupyterLab and Chromium (203 s -> 144-154 s here).
 browser: $(STAMP)
 	@mkdir -p build && $(PY) tests/browser/chromium.py --provide > build/chromium-path
 	GACCUM_CHROMIUM="$$(cat build/chromium-path)" $(PY) -m pytest tests/browser -q --tb=short -p no:cacheprovider \

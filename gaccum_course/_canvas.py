@@ -1,14 +1,19 @@
-"""Machinery: the explorers' canvas, plain Agg that remembers how it drew text.
+"""Machinery: the explorers' canvas, plain Agg that does less work for the same pixels.
 
-Matplotlib 3.11 lays out and rasterises text glyph by glyph in Python, and measures each
-text's font again at every draw: text is about half of an explorer's redraw (the lessons'
-explorers answer a slider move in some 60 ms with this canvas, 95 ms without: ``make bench``).
-:class:`ExplorerCanvas` remembers the fonts' metrics, each string's layout and each rendered
-glyph through Matplotlib's private internals, and draws the same pixels as plain Agg
-(tests/test_widgets.py compares them for every explorer, and the fallback without them).
+An explorer draws its figure again at every slider move, and most of a redraw is Matplotlib's
+Python, not the pixels. :class:`ExplorerCanvas`, through Matplotlib 3.11's private internals:
 
-It also works out each axis's ticks once per draw, where Matplotlib does it up to three times
-(:func:`ticks_worked_out_once`): a quarter of a redraw.
+- remembers the fonts' metrics, each string's layout and each rendered glyph (text was about
+  half of a redraw: 60 ms an answer with this cache, 95 ms without, when it was added);
+- works out each axis's ticks once per draw, where Matplotlib does it several times
+  (:func:`ticks_worked_out_once`): a fifth to a third less drawing time;
+- pastes an axis (ticks, tick labels, grid lines, label) or a figure legend from the last
+  draw where its state and the pixels under it are unchanged (:meth:`ExplorerCanvas._pasted_or_drawn`);
+- encodes the PNG itself (:func:`png_bytes`).
+
+The pixels are plain Agg's for what the explorers do: tests/test_widgets.py compares every
+explorer after slider moves, and tests/test_canvas.py each shortcut where it must not be taken.
+Without the internals it draws with plain Agg.
 """
 
 from __future__ import annotations
@@ -47,9 +52,10 @@ _TICK_INTERNALS = all(hasattr(matplotlib.axis.Axis, name) for name in ("_update_
 def ticks_worked_out_once(figure):
     """During one draw of ``figure``: each axis's ticks, and their labels' extents, worked out once.
 
-    Matplotlib 3.11 works them out (locator, formatter, a layout of every tick label) up to three
-    times per axis and draw: to place the axes' title above them, to place the axis label beside
-    them, and to draw them. Within a draw the first answer serves all three; it is worked out
+    Matplotlib 3.11 works them out (locator, formatter, a layout of every tick label) several
+    times per axis and draw (a y axis under a title four times): to place the axes' title above
+    them, to place the axis label beside them (twice), and to draw them. Within a draw the first
+    answer serves them all; it is worked out
     again if the axis's limits or the axes' place on the figure change (a layout engine, a fixed
     aspect). The title's placement is skipped where nothing can sit above the axes (see
     :func:`_title_in_place`). Afterwards the axes are as they were: a draw outside this block is
@@ -76,9 +82,11 @@ def _title_in_place(ax) -> None:
     """Shadow the axes' title placement: where nothing can sit above the axes, the titles stay at 1.0.
 
     Matplotlib lifts a title over what it finds at the top of the axes: x ticks or an x label on
-    top, the y axis's offset text (a "1e-5" over the tick labels), twinned, child or aligned
-    axes. It measures all the tick labels to find out. Without any of those it puts the titles
-    at 1.0 of the axes' height (plus their pad), which is what this does without measuring.
+    top, the y axis's offset text (a "1e-5" over the tick labels), and what it finds there on
+    twinned, child or aligned axes; it measures all the tick labels to find out. Without any of
+    those it puts the titles at 1.0 of the axes' height (plus their pad), lifted only if a title
+    would reach below the axes' top (a pad smaller than its descent): this does the same
+    without measuring the tick labels, and leaves every other case to Matplotlib.
     """
     place_titles = ax._update_title_position
 
@@ -91,8 +99,12 @@ def _title_in_place(ax) -> None:
                 or len(ax.get_figure(root=False)._align_label_groups["title"].get_siblings(ax)) > 1
                 or (yaxis.offsetText.get_visible() and yaxis.major.formatter.get_offset())):
             return place_titles(renderer)
-        for title in (ax.title, ax._left_title, ax._right_title):
+        titles = (ax.title, ax._left_title, ax._right_title)
+        for title in titles:
             title.set_position((title.get_position()[0], 1.0))
+        top = ax.get_window_extent(renderer).ymax
+        if any(t.get_text() and t.get_window_extent(renderer).ymin < top for t in titles):
+            return place_titles(renderer)
         return None
 
     ax._update_title_position = titles_in_place
@@ -104,7 +116,14 @@ def _text_state(text) -> tuple:
 
 
 def _state_of(artist) -> tuple:
-    """What a legend's or an axis's pixels depend on besides the pixels under it (and their box)."""
+    """What of a legend or an axis the explorers change, and so what its pasted pixels must match.
+
+    For an axis: its limits, scale and place, each tick's place, texts and visibility, what
+    tick_params and grid set, its label and offset text. For a legend: its texts, its handles'
+    visibility and colour, its frame and anchor. Not seen (the explorers never do these; draw
+    such a figure with plain Agg): styles set directly on one tick's lines or labels other than
+    the above, spines moved, labels aligned across axes, a legend handle's width or marker.
+    """
     if isinstance(artist, matplotlib.legend.Legend):
         texts = tuple(_text_state(t) for t in artist.get_texts())
         handles = tuple((id(h), h.get_visible(), str(h.get_color()) if hasattr(h, "get_color") else None)
@@ -118,7 +137,7 @@ def _state_of(artist) -> tuple:
     # What tick_params and grid set for all the ticks (their size, direction, colours, the grid's).
     styles = (tuple(repr(sorted(kw.items())) for kw in (axis._major_tick_kw, axis._minor_tick_kw))
               if hasattr(axis, "_minor_tick_kw") else object())  # unknown: never equal, always drawn
-    return (tuple(axis.get_view_interval()), ax.bbox.bounds, ticks, styles, _text_state(axis.label),
+    return (tuple(axis.get_view_interval()), axis.get_scale(), ax.bbox.bounds, ticks, styles, _text_state(axis.label),
             axis.labelpad, axis.label.get_position() if not axis._autolabelpos else None,
             _text_state(axis.offsetText))
 
@@ -237,8 +256,9 @@ class ExplorerCanvas(FigureCanvasAgg):
     """An Agg canvas drawing with :class:`_TextCachingRenderer` (plain Agg where that is unavailable).
 
     Each draw works out the ticks once (:func:`ticks_worked_out_once`) and pastes the pixels of
-    an axis or a legend that did not change from the last draw (:meth:`_pasted_or_drawn`); the
-    pixels are plain Agg's.
+    an axis or a figure legend that did not change from the last draw (:meth:`_pasted_or_drawn`).
+    For the changes the explorers make the pixels are plain Agg's (tests/test_widgets.py,
+    tests/test_canvas.py); what it does not see is listed in :func:`_state_of`.
     """
 
     def __init__(self, figure=None):
@@ -286,7 +306,7 @@ class ExplorerCanvas(FigureCanvasAgg):
         if not artist.get_visible() or renderer is not getattr(self, "renderer", None):
             return draw(renderer)
         pixels = np.asarray(renderer.buffer_rgba())
-        state = (_state_of(artist), pixels.shape)
+        state = (_state_of(artist), pixels.shape, type(renderer))  # a renderer of another kind: drawn
         kept = self._kept.get(artist)
         same = kept is not None and kept.state == state
         if same:

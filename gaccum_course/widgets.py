@@ -19,10 +19,10 @@ from .explorer import DPI, Drawing, Explorer, ExplorerState, _Memo
 from .live_plots import DistanceFromReferencePlot, WeightPathPlot, WeightTrajectoriesPlot
 from .style import OKABE_ITO, legend_below, room_for_legend_below, style_for
 
-# Points per side of the loss grid behind an explorer's weight path. The lessons' loss surfaces
-# are smooth (straight contours for the sequence models): 15 x 15 draws the contours of 41 x 41,
-# and evaluating the grid (every weight pair over the whole data, redone whenever the limits or
-# the data change) takes 12 ms instead of 82.
+# Points per side of the loss grid behind the variable-length explorer's weight path (the other
+# explorers' paths have one weight: a curve). Its loss surfaces are smooth (straight contours):
+# 15 x 15 draws contours that look like 41 x 41's, and evaluating a grid (every weight pair over
+# the whole data, for limits or data not among the 32 last seen) takes 12 ms instead of 82.
 EXPLORER_GRID = 15
 
 __all__ = ["DPI", "Drawing", "Explorer", "ExplorerState", "launch_explorer", "regression_explorer",

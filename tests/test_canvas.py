@@ -1,8 +1,10 @@
 """The explorers' canvas (gaccum_course._canvas): its shortcuts must leave plain Agg's pixels.
 
 It works out each axis's ticks once per draw, places titles without measuring where nothing can
-sit above the axes, and pastes a legend whose surroundings did not change. Each case below is one
-where a shortcut would be wrong if it were taken blindly; the pixels must still be plain Agg's.
+sit above the axes, pastes an axis or a legend whose state and the pixels under it did not
+change, and encodes its own PNG. Below: that the shortcuts are taken (pasting when only lines
+change), that they are not where taking them would be wrong (ticks on top, an offset text, a
+changed axis or legend, a text under it), and that the pixels are plain Agg's in every case.
 """
 
 import matplotlib
@@ -48,21 +50,29 @@ def two_panels():
     return figure, left, right
 
 
-@pytest.mark.parametrize("case", ["plain", "ticks on top", "x label on top", "offset text", "twin axes",
-                                  "log axis"])
+@pytest.mark.parametrize("case", ["plain", "ticks on top", "x label on top", "offset text", "low title",
+                                  "twin axes", "log axis"])
 def test_titles_and_ticks_come_out_where_plain_agg_puts_them(case):
     figure, left, right = two_panels()
     if case == "ticks on top":
         left.xaxis.tick_top()
     elif case == "x label on top":
         left.xaxis.set_label_position("top")
-    elif case == "offset text":  # a "+1e5" above the y tick labels: Matplotlib lifts the title over it
-        left.plot([0, 2], [100_000.0, 100_000.5])
+    elif case == "offset text":  # a "+1e5" above the y tick labels: Matplotlib lifts a left title over it
+        left.lines[0].set_ydata([100_000.0, 100_000.3, 100_000.5])
+        left.lines[1].set_ydata([100_000.1, 100_000.2, 100_000.4])
+        left.relim()
+        left.autoscale_view()
+        left.set_title("a title on the left", loc="left")
+    elif case == "low title":  # a pad smaller than the title's descent: Matplotlib lifts it
+        left.set_title("a title with descenders: gjpqy", pad=0)
     elif case == "twin axes":
         left.twiny().set_xlabel("a top label")
     elif case == "log axis":
         right.set_yscale("log")
     np.testing.assert_array_equal(explorer_canvas(figure), plain_agg(figure))
+    if case == "offset text":  # the case is what it says: there is an offset text
+        assert left.yaxis.get_offset_text().get_text()
 
 
 def test_after_a_draw_the_axes_are_plain_matplotlib_again():
@@ -158,8 +168,13 @@ def test_an_axis_is_drawn_again_when_it_changes(change, monkeypatch):
 def test_without_matplotlibs_tick_internals_draws_are_plain(monkeypatch):
     monkeypatch.setattr(_canvas, "_TICK_INTERNALS", False)
     figure, left, right = two_panels()
+    during_draw = []
+    original = matplotlib.axis.Axis.draw
+    monkeypatch.setattr(matplotlib.axis.Axis, "draw", lambda self, renderer: (
+        during_draw.append(set(vars(self)) & {"_update_ticks", "_get_ticklabel_bboxes", "draw"}),
+        original(self, renderer))[1])
     np.testing.assert_array_equal(explorer_canvas(figure), plain_agg(figure))
-    assert "_update_ticks" not in vars(left.xaxis)
+    assert len(during_draw) == 8 and not any(during_draw)  # neither shadowed nor pasted, in both draws
 
 
 def test_the_explorers_png_decodes_to_the_canvas_pixels():

@@ -1,8 +1,9 @@
 """Fixtures of the real-browser test: a JupyterLab of this project's .venv, and Chromium driven by Playwright.
 
 This folder is collected only when it is named on the command line (`make browser` runs
-`pytest tests/browser`): `pytest tests` -- and so `make unit` and `make notebooks` -- leave it
-alone, because it needs Chromium and takes a minute or two.
+`pytest tests/browser` on NB_WORKERS pytest-xdist workers, 2 by default, each with its own
+JupyterLab and Chromium): `pytest tests` -- and so `make unit` and `make notebooks` -- leave it
+alone, because it needs Chromium and takes two to three minutes.
 
 Settings (environment variables):
 
@@ -238,7 +239,7 @@ def results():
 
 
 def _records(terminalreporter) -> list[dict]:
-    """Every test's timings: from this process, or (under pytest-xdist) from the workers' reports."""
+    """Every test's timings, from the tests' reports (a pytest-xdist worker's come back that way)."""
     records = [value for reports in terminalreporter.stats.values() for report in reports
                if getattr(report, "when", None) == "call"
                for key, value in getattr(report, "user_properties", ()) if key == "browser"]
