@@ -17,7 +17,13 @@ Settings (environment variables):
   The browser is never skipped and never downloaded (no ``playwright install``).
 - The browser itself comes from pytest-playwright (``page``), launched with the two fixtures
   below that name the executable and its flags.
+- ``GACCUM_COLAB_LESSONS``: notebooks (names without ``.ipynb``, separated by spaces) whose kernels
+  Accelerate is to take for Colab's (``tests/colab/kernel_startup.py``, applied when the kernel's
+  session names one of them). ``make browser`` names the launching lessons, so Run All and their
+  launch buttons take the path a Colab learner takes; the other lessons get a plain kernel.
 - ``GACCUM_SCREENSHOTS``: where the screenshots go (default ``build/screenshots``).
+- ``GACCUM_BROWSER_EXECUTED``: where each notebook is saved as Run All left it (default
+  ``build/browser/executed``); ``make browser`` then checks the Colab lessons' outputs there.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ from accelerate.utils.other import get_free_port
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 SCREENSHOTS = Path(os.environ.get("GACCUM_SCREENSHOTS", ROOT / "build" / "screenshots"))
+EXECUTED = Path(os.environ.get("GACCUM_BROWSER_EXECUTED", ROOT / "build" / "browser" / "executed"))
+COLAB_STARTUP = ROOT / "tests" / "colab" / "kernel_startup.py"
 
 # Flags for a headless Chromium that talks to nothing but the local JupyterLab.
 CHROMIUM_FLAGS = [
@@ -88,6 +96,22 @@ def notebooks_under_test() -> list[Path]:
     if not found:
         raise pytest.UsageError(f"no notebook found in {entries}")
     return found
+
+
+def colab_lessons() -> set[str]:
+    return set(os.environ.get("GACCUM_COLAB_LESSONS", "").split())
+
+
+def _colab_startup_script(colab: set[str]) -> str:
+    """An IPython start-up script: the Colab stand-in for the kernels of the ``colab`` notebooks only.
+
+    JupyterLab starts every kernel with the same IPYTHONDIR; the server hands each one its
+    notebook's path in JPY_SESSION_NAME, which picks the kernels that become Colab-like.
+    """
+    return (f"import os as _os, pathlib as _pathlib\n"
+            f"if _pathlib.Path(_os.environ.get('JPY_SESSION_NAME', '')).stem in {sorted(colab)!r}:\n"
+            f"    exec(compile(_pathlib.Path({str(COLAB_STARTUP)!r}).read_text(), {str(COLAB_STARTUP)!r}, 'exec'))\n"
+            f"del _os, _pathlib\n")
 
 
 def find_chromium() -> str:
@@ -171,6 +195,10 @@ def lab(tmp_path_factory):
             "JUPYTERLAB_WORKSPACES_DIR": "workspaces", "IPYTHONDIR": "ipython"}
     env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(settings), JUPYTER_PLATFORM_DIRS="1",
                **{key: str(base / name) for key, name in dirs.items()})
+    if colab_lessons():
+        startup = base / "ipython" / "profile_default" / "startup"
+        startup.mkdir(parents=True)
+        (startup / "colab_for_some_lessons.py").write_text(_colab_startup_script(colab_lessons()))
     token = secrets.token_hex(24)
     port = get_free_port()
     # Token auth on 127.0.0.1 only; no news, update check or extension manager: nothing goes online.
@@ -228,6 +256,18 @@ def screenshots() -> Path:
     return SCREENSHOTS
 
 
+@pytest.fixture(scope="session")
+def colab_kernels() -> set[str]:
+    """The notebooks (names without .ipynb) whose kernels are Colab-like."""
+    return colab_lessons()
+
+
+@pytest.fixture(scope="session")
+def executed() -> Path:
+    EXECUTED.mkdir(parents=True, exist_ok=True)
+    return EXECUTED
+
+
 _RESULTS: list[dict] = []
 _LAB_LOG: list[Path] = []
 
@@ -259,9 +299,10 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section("notebooks in a real browser")
     nan = float("nan")
     for r in records:
-        write(f"{r['notebook']:<34} open {r.get('open_s', nan):4.1f} s  run all {r.get('run_s', nan):4.1f} s  "
-              f"whole test {r.get('total_s', nan):4.1f} s  sliders moved {r.get('sliders', 0)}  "
-              f"buttons clicked {r.get('buttons', 0)}")
+        kernel = "colab" if r.get("colab") else "plain"
+        write(f"{r['notebook']:<36} {kernel}  open {r.get('open_s', nan):4.1f} s  "
+              f"run all {r.get('run_s', nan):4.1f} s  whole test {r.get('total_s', nan):4.1f} s  "
+              f"sliders moved {r.get('sliders', 0)}  buttons clicked {r.get('buttons', 0)}")
     write(f"screenshots ({len(records)}), one per notebook:")
     for r in records:
         write(f"  {r.get('screenshot', '(none)')}")

@@ -6,7 +6,9 @@ found", "Loading widget") and on any browser console error. Then use every widge
 first slider with the keyboard (`.widget-slider .noUi-handle`), click its buttons labelled
 "launch" or "run", and check that the plot it drives changes (the bytes behind the <img>) and
 that it shows no error. A screenshot of each notebook lands in build/screenshots/; the paths
-and timings are printed at the end.
+and timings are printed at the end. The notebooks named in GACCUM_COLAB_LESSONS run in kernels
+that Accelerate takes for Colab's; each notebook is saved, as Run All left it, to
+build/browser/executed/, where `make browser` checks what the Colab ones printed.
 
 Run with `make browser`; see conftest.py for the settings.
 """
@@ -221,11 +223,11 @@ def _exercise_widgets(page, record: dict) -> None:
         assert not bad, f"widget output {i}: {' and '.join(done)}, and it shows {bad.group(0)!r}:\n{text[-3000:]}"
 
 
-def test_notebook_in_browser(notebook, page, lab, results, screenshots, request):
+def test_notebook_in_browser(notebook, page, lab, results, screenshots, executed, colab_kernels, request):
     """`notebook` is every notebook under test (conftest.py parametrizes it)."""
     name = notebook.name
     source = json.loads(notebook.read_text())
-    record = {"notebook": name, "lab_log": str(lab.log)}
+    record = {"notebook": name, "lab_log": str(lab.log), "colab": notebook.stem in colab_kernels}
     results.append(record)
     request.node.user_properties.append(("browser", record))  # what a pytest-xdist worker reports back
     console_errors = []
@@ -244,6 +246,7 @@ def test_notebook_in_browser(notebook, page, lab, results, screenshots, request)
         _run_all(page, _execution_timeout_s(source))
         record["run_s"] = time.monotonic() - start
         saved = _save_and_read(page, lab, name)
+        (executed / name).write_text(json.dumps(saved, indent=1))
         assert _error_outputs(saved) == [], "error outputs after Run All"
         # Counted in the saved file, not the page: a collapsed cell (source hidden) shows no input prompt.
         ran = sum(1 for c in saved["cells"] if c["cell_type"] == "code" and c.get("execution_count"))
