@@ -49,6 +49,7 @@ def test_accelerate_launch_two_cpu_processes_naive():
     _check(records, stdout, [0.1622, 0.3668])
 
 
+@pytest.mark.slow
 def test_the_readme_multi_node_line_with_two_nodes_on_this_machine():
     # The README's `torchrun --nnodes 2 --node_rank R --rdzv_endpoint HOST:PORT` line, one process per
     # "node", both nodes here on 127.0.0.1: node 0 hosts the rendezvous, node 1 joins it.

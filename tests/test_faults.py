@@ -576,6 +576,7 @@ def test_a_hanging_launch_is_stopped_after_its_timeout():
     assert time.monotonic() - start < 60
 
 
+@pytest.mark.slow
 def test_the_timeout_names_only_the_ranks_that_had_not_finished():
     # Rank 0 is done within a second or two; 10 s leaves a wide margin on a loaded machine.
     with pytest.raises(LaunchError, match=r"within 10 s: ranks \[1\] of 2 had not returned \(ranks \[0\] had\)"):

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.real
+@pytest.mark.slow
 def test_the_gpu_check_runs_its_cpu_side_and_reports_each_part(tmp_path):
     bin_dir = Path(sys.executable).parent  # `python` in the script is this venv's
     env = {**os.environ, "OUT": str(tmp_path), "EXPECT_DEVICE": "cpu", "EPOCHS": "1",

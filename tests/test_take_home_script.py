@@ -78,6 +78,7 @@ def test_the_script_imports_nothing_from_this_repository_and_has_no_cpu_default(
 
 
 @pytest.mark.real
+@pytest.mark.slow
 def test_torchrun_two_cpu_processes_equal_the_full_batch_with_a_short_last_window(tmp_path):
     report, result = _run(tmp_path, _torchrun(2))
     assert report["num_processes"] == 2 and report["distributed_type"] == "MULTI_CPU"
@@ -97,6 +98,7 @@ def test_torchrun_two_cpu_processes_equal_the_full_batch_with_a_short_last_windo
 
 
 @pytest.mark.real
+@pytest.mark.slow
 def test_accelerate_launch_with_rows_that_do_not_divide_by_the_processes(tmp_path):
     # 37 rows: the last micro-batch of 2 is half empty and one rank has one micro-batch fewer, padded
     report, _ = _run(tmp_path, _accelerate_launch(2), "--num_rows", "37", "--epochs", "1")
@@ -105,6 +107,7 @@ def test_accelerate_launch_with_rows_that_do_not_divide_by_the_processes(tmp_pat
 
 
 @pytest.mark.real
+@pytest.mark.slow
 def test_one_plain_process_with_accumulation_equals_its_full_batch(tmp_path):
     report, _ = _run(tmp_path, [sys.executable], "--epochs", "1", cpu_env=False)
     assert report["num_processes"] == 1 and report["distributed_type"] == "NO"
@@ -112,6 +115,7 @@ def test_one_plain_process_with_accumulation_equals_its_full_batch(tmp_path):
 
 
 @pytest.mark.real
+@pytest.mark.slow
 def test_even_batches_repeats_rows_and_the_check_says_so(tmp_path):
     report, result = _run(tmp_path, _torchrun(2), "--uneven", "repeat", expect=1)
     assert "does NOT equal its float32 full batch" in result.stdout
@@ -123,6 +127,7 @@ def test_even_batches_repeats_rows_and_the_check_says_so(tmp_path):
 
 
 @pytest.mark.real
+@pytest.mark.slow
 def test_adamw_magnifies_float32_rounding_beyond_the_sgd_check(tmp_path):
     # What the README and --optimizer's help say: AdamW's per-weight step size turns rounding in near-zero
     # gradients into 3e-6 differences, where SGD stays near 1e-7; the mean difference stays tiny.
@@ -133,6 +138,7 @@ def test_adamw_magnifies_float32_rounding_beyond_the_sgd_check(tmp_path):
 
 
 @pytest.mark.real
+@pytest.mark.slow
 def test_bf16_autocast_runs_and_stays_within_its_stated_distance_of_float32(tmp_path):
     module = _load_script()
     report, result = _run(tmp_path, _torchrun(2), "--mixed_precision", "bf16")
@@ -143,6 +149,7 @@ def test_bf16_autocast_runs_and_stays_within_its_stated_distance_of_float32(tmp_
 
 
 @pytest.mark.real
+@pytest.mark.slow
 def test_two_processes_without_cpu_mode_on_a_machine_without_gpus_stop_with_the_fix(tmp_path):
     _, result = _run(tmp_path, _torchrun(2), "--no_check", cpu_env=False, expect=1)
     assert "the launcher started 2 processes but Accelerate sees 1" in result.stderr
@@ -287,6 +294,7 @@ def _save_word_level_model(folder):
 
 
 @pytest.mark.real
+@pytest.mark.slow
 def test_your_own_model_folder_and_text_file_with_a_line_too_short_to_predict(tmp_path):
     _save_word_level_model(tmp_path / "learner" / "my_model")
     lines = ["the tide clock turns", "and the sea keeps time", "slow", "the clock turns fast and slow",
@@ -301,6 +309,7 @@ def test_your_own_model_folder_and_text_file_with_a_line_too_short_to_predict(tm
 
 
 @pytest.mark.real
+@pytest.mark.slow
 def test_a_text_file_with_the_tiny_model_reads_bytes(tmp_path):
     (tmp_path / "learner").mkdir()
     (tmp_path / "learner" / "lines.txt").write_text("a tide clock\nturns\nhé\n")
