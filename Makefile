@@ -88,13 +88,15 @@ unit: $(STAMP)
 	  $(if $(filter 0,$(NB_WORKERS)),,-n $(NB_WORKERS) --dist worksteal)
 
 # Executes copies of the notebooks (nbmake keeps their outputs there), then checks what the
-# executed outputs show: the reference figures must appear, not just the asserts pass.
+# executed outputs show: the reference figures must appear, not just the asserts pass. The longest
+# lessons start first and an idle worker takes queued ones (worksteal): the workers end together.
 # The kernels get the site's alt-text start-up script, so `make html` can render these very outputs.
 notebooks: $(STAMP)
 	rm -rf $(EXECUTED) build/ipython && mkdir -p $(EXECUTED) build/ipython/profile_default/startup
 	cp notebooks/*.ipynb $(EXECUTED)/ && cp scripts/site_alt_text.py build/ipython/profile_default/startup/
 	IPYTHONDIR=$(CURDIR)/build/ipython $(PY) -m pytest --nbmake --overwrite \
-	  $(if $(filter 0,$(NB_WORKERS)),,-n $(NB_WORKERS)) -p no:cacheprovider -q $(EXECUTED)/*.ipynb
+	  $(if $(filter 0,$(NB_WORKERS)),,-n $(NB_WORKERS) --dist worksteal) -p no:cacheprovider -q \
+	  $$($(PY) scripts/longest_first.py $(EXECUTED)/*.ipynb)
 	touch $(EXECUTED)/.complete
 	$(PY) -m pytest tests -q -m notebooks -p no:cacheprovider
 
@@ -136,7 +138,8 @@ browser: $(STAMP)
 	@mkdir -p build && $(PY) tests/browser/chromium.py --provide > build/chromium-path
 	rm -rf build/browser/executed
 	GACCUM_CHROMIUM="$$(cat build/chromium-path)" GACCUM_COLAB_LESSONS="$(COLAB_LESSONS)" \
-	  $(PY) -m pytest tests/browser -q --tb=short -p no:cacheprovider $(if $(filter 0,$(NB_WORKERS)),,-n $(NB_WORKERS))
+	  $(PY) -m pytest tests/browser -q --tb=short -p no:cacheprovider \
+	  $(if $(filter 0,$(NB_WORKERS)),,-n $(NB_WORKERS) --dist worksteal)
 	if [ -z "$${GACCUM_BROWSER_NOTEBOOKS:-}" ]; then \
 	  GACCUM_COLAB_EXECUTED=build/browser/executed $(PY) -m pytest tests -q -m colab_outputs -p no:cacheprovider; fi
 

@@ -32,6 +32,10 @@ class Lesson:
     # because an installed wheel has no notebooks to read (a test compares the two).
     learner_minutes: tuple[int, int]
 
+    @property
+    def run_seconds(self) -> int:
+        return int(re.fullmatch(r"about (\d+) s", self.run_time).group(1))
+
 
 LESSONS = (
     Lesson("00_start_here.ipynb", "Start here",
@@ -108,7 +112,7 @@ def learner_time(lesson: Lesson, folder: Path | None = None) -> LearnerTime:
     return LearnerTime(reading=len(prose.split()) / PROSE_WORDS_PER_MINUTE,
                        code=code_lines / CODE_LINES_PER_MINUTE,
                        exercises=len(re.findall(r"^\d+\. ", exercises, re.M)),
-                       run_seconds=int(re.fullmatch(r"about (\d+) s", lesson.run_time).group(1)))
+                       run_seconds=lesson.run_seconds)
 
 
 def lesson_table() -> str:

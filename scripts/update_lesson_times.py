@@ -65,7 +65,7 @@ def main() -> int:
     guide_path = ROOT / "docs" / "facilitator-guide.md"
     guide = guide_path.read_text().splitlines()
     for lesson in lessons_module.LESSONS:
-        seconds = int(re.fullmatch(r"about (\d+) s", lesson.run_time).group(1))
+        seconds = lesson.run_seconds
         _write_notebook_header(ROOT / "notebooks" / lesson.notebook, seconds, lesson.learner_minutes)
         stem = f"`{lesson.notebook.removesuffix('.ipynb')}`"
         without, total = lesson.learner_minutes

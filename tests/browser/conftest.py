@@ -247,7 +247,11 @@ def browser_context_args(browser_context_args):
 
 def pytest_generate_tests(metafunc):
     if "notebook" in metafunc.fixturenames:
-        notebooks = notebooks_under_test()
+        # The longest lessons first (the lesson map's run times): the two workers then end together.
+        from gaccum_course.lessons import LESSONS
+
+        seconds = {lesson.notebook: lesson.run_seconds for lesson in LESSONS}
+        notebooks = sorted(notebooks_under_test(), key=lambda path: -seconds.get(path.name, 0))
         metafunc.parametrize("notebook", notebooks, ids=[p.name for p in notebooks])
 
 

@@ -1,0 +1,20 @@
+#!/usr/bin/env python
+"""Print the given notebooks, the longest-running lesson first (the lesson map's run time).
+
+    python scripts/longest_first.py build/executed/*.ipynb
+
+`make notebooks` hands nbmake's two pytest-xdist workers the notebooks in this order: the long
+lessons start first and the short ones fill the end, so the workers finish close together.
+A notebook the map does not know (a scratch one) comes last.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gaccum_course.lessons import LESSONS  # noqa: E402 -- the repository's copy, not an installed one
+
+if __name__ == "__main__":
+    seconds = {lesson.notebook: lesson.run_seconds for lesson in LESSONS}
+    print(" ".join(sorted(sys.argv[1:], key=lambda path: -seconds.get(Path(path).name, 0))))
