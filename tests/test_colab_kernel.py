@@ -28,6 +28,7 @@ def test_the_startup_script_makes_accelerate_see_colab_and_the_lessons_see_no_fo
 
     from gaccum_lib import hosts
 
+    monkeypatch.delenv("GACCUM_COLAB_LESSONS", raising=False)  # as under `make colab`: every kernel
     shell = InteractiveShell.instance()
     try:
         assert not hosts.in_colab_kernel()
@@ -36,6 +37,30 @@ def test_the_startup_script_makes_accelerate_see_colab_and_the_lessons_see_no_fo
         assert hosts.in_colab_kernel() and not hosts.notebook_launcher_forks()  # no GPU here
         monkeypatch.setenv("KAGGLE_KERNEL_RUN_TYPE", "Interactive")  # Accelerate checks Kaggle first
         assert not hosts.in_colab_kernel()
+    finally:
+        InteractiveShell.clear_instance()
+
+
+@pytest.mark.parametrize(("session", "colab_like"), [
+    ("04_many_processes.ipynb", True), ("sub/folder/10_past_ddp.ipynb", True),
+    ("00_start_here.ipynb", False), (None, False),
+])
+def test_with_lessons_named_only_their_kernels_become_colab_like(monkeypatch, session, colab_like):
+    # How `make browser` uses the script: one IPYTHONDIR for every kernel JupyterLab starts, each
+    # kernel told its notebook's path (JPY_SESSION_NAME), the Colab lessons named in GACCUM_COLAB_LESSONS.
+    from IPython.core.interactiveshell import InteractiveShell
+
+    monkeypatch.setenv("GACCUM_COLAB_LESSONS", "04_many_processes 10_past_ddp")
+    if session is None:
+        monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
+    else:
+        monkeypatch.setenv("JPY_SESSION_NAME", session)
+    shell = InteractiveShell.instance()
+    try:
+        namespace = {"get_ipython": lambda: shell}
+        exec(STARTUP.read_text(), namespace)
+        assert ("google.colab" in str(shell)) is colab_like
+        assert [k for k in namespace if not k.startswith("__")] == ["get_ipython"]  # leaves no names behind
     finally:
         InteractiveShell.clear_instance()
 

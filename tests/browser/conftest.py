@@ -18,8 +18,8 @@ Settings (environment variables):
 - The browser itself comes from pytest-playwright (``page``), launched with the two fixtures
   below that name the executable and its flags.
 - ``GACCUM_COLAB_LESSONS``: notebooks (names without ``.ipynb``, separated by spaces) whose kernels
-  Accelerate is to take for Colab's (``tests/colab/kernel_startup.py``, applied when the kernel's
-  session names one of them). ``make browser`` names the launching lessons, so Run All and their
+  Accelerate is to take for Colab's (``tests/colab/kernel_startup.py`` starts every kernel and
+  applies to those only). ``make browser`` names the launching lessons, so Run All and their
   launch buttons take the path a Colab learner takes; the other lessons get a plain kernel.
 - ``GACCUM_SCREENSHOTS``: where the screenshots go (default ``build/screenshots``).
 - ``GACCUM_BROWSER_EXECUTED``: where each notebook is saved as Run All left it (default
@@ -100,18 +100,6 @@ def notebooks_under_test() -> list[Path]:
 
 def colab_lessons() -> set[str]:
     return set(os.environ.get("GACCUM_COLAB_LESSONS", "").split())
-
-
-def _colab_startup_script(colab: set[str]) -> str:
-    """An IPython start-up script: the Colab stand-in for the kernels of the ``colab`` notebooks only.
-
-    JupyterLab starts every kernel with the same IPYTHONDIR; the server hands each one its
-    notebook's path in JPY_SESSION_NAME, which picks the kernels that become Colab-like.
-    """
-    return (f"import os as _os, pathlib as _pathlib\n"
-            f"if _pathlib.Path(_os.environ.get('JPY_SESSION_NAME', '')).stem in {sorted(colab)!r}:\n"
-            f"    exec(compile(_pathlib.Path({str(COLAB_STARTUP)!r}).read_text(), {str(COLAB_STARTUP)!r}, 'exec'))\n"
-            f"del _os, _pathlib\n")
 
 
 def find_chromium() -> str:
@@ -195,10 +183,10 @@ def lab(tmp_path_factory):
             "JUPYTERLAB_WORKSPACES_DIR": "workspaces", "IPYTHONDIR": "ipython"}
     env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(settings), JUPYTER_PLATFORM_DIRS="1",
                **{key: str(base / name) for key, name in dirs.items()})
-    if colab_lessons():
+    if colab_lessons():  # the script reads GACCUM_COLAB_LESSONS, which JupyterLab's kernels inherit
         startup = base / "ipython" / "profile_default" / "startup"
         startup.mkdir(parents=True)
-        (startup / "colab_for_some_lessons.py").write_text(_colab_startup_script(colab_lessons()))
+        shutil.copy(COLAB_STARTUP, startup / COLAB_STARTUP.name)
     token = secrets.token_hex(24)
     port = get_free_port()
     # Token auth on 127.0.0.1 only; no news, update check or extension manager: nothing goes online.
