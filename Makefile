@@ -80,39 +80,40 @@ lint: $(STAMP)
 	$(PY) scripts/check_notebooks.py notebooks
 
 # Two workers, as for the notebooks: the real-process tests take their ports from the OS and their
-# files from tmp_path, so they run side by side (make pythons runs the same tests with -n 2). The slow
-# tests come first and a worker that runs out of tests takes the other's (worksteal): the workers end
-# together (here 74 s apart with the default scheduling, one long test last).
+# files from tmp_path, so they run side by side (make pythons runs the same tests so). The slow tests
+# (marked slow) are queued first, and a worker that runs out takes the tail of the other's queue
+# (worksteal): none starts near the end, and the workers end within about one slow test of each other.
 unit: $(STAMP)
 	$(PY) -m pytest tests -q -m "not notebooks and not colab_outputs and not field" -p no:cacheprovider \
 	  $(if $(filter 0,$(NB_WORKERS)),,-n $(NB_WORKERS) --dist worksteal)
 
 # Executes copies of the notebooks (nbmake keeps their outputs there), then checks what the
 # executed outputs show: the reference figures must appear, not just the asserts pass. The longest
-# lessons start first and an idle worker takes queued ones (worksteal): the workers end together.
+# lessons are queued first (the lesson map's run times); xdist hands them out two, then one at a time
+# to whichever worker is free, and the short ones fill the end.
 # The kernels get the site's alt-text start-up script, so `make html` can render these very outputs.
 notebooks: $(STAMP)
 	rm -rf $(EXECUTED) build/ipython && mkdir -p $(EXECUTED) build/ipython/profile_default/startup
 	cp notebooks/*.ipynb $(EXECUTED)/ && cp scripts/site_alt_text.py build/ipython/profile_default/startup/
+	order="$$($(PY) scripts/longest_first.py $(EXECUTED)/*.ipynb)" && [ -n "$$order" ] && \
 	IPYTHONDIR=$(CURDIR)/build/ipython $(PY) -m pytest --nbmake --overwrite \
-	  $(if $(filter 0,$(NB_WORKERS)),,-n $(NB_WORKERS) --dist worksteal) -p no:cacheprovider -q \
-	  $$($(PY) scripts/longest_first.py $(EXECUTED)/*.ipynb)
+	  $(if $(filter 0,$(NB_WORKERS)),,-n $(NB_WORKERS)) -p no:cacheprovider -q $$order
 	touch $(EXECUTED)/.complete
 	$(PY) -m pytest tests -q -m notebooks -p no:cacheprovider
 
 # The lessons that launch processes, in kernels that Accelerate takes for Colab's (an IPython start-up
 # script changes what str(get_ipython()) says; Accelerate reads nothing else): there notebook_launcher
 # forks nothing below 2 GPUs, and the lessons must start real processes another way, same figures.
-# `make test` runs them so in the browser (below), which also runs them; `make colab` is the same
-# check under nbmake, for a machine without Chromium.
+# `make test` runs them so in the browser (`make browser`, below); `make colab` is the same check under
+# nbmake, for a machine without Chromium.
 COLAB_LESSONS := 04_many_processes 05_capstone_language_model 06_pitfalls_gallery 08_your_real_stack 09_schedulers_across_processes 10_past_ddp
 colab: $(STAMP)
 	rm -rf build/colab && mkdir -p build/colab/run build/colab/ipython/profile_default/startup
 	for lesson in $(COLAB_LESSONS); do cp notebooks/$$lesson.ipynb build/colab/run/; done
 	cp tests/colab/kernel_startup.py build/colab/ipython/profile_default/startup/
-	IPYTHONDIR=$(CURDIR)/build/colab/ipython $(PY) -m pytest --nbmake --overwrite \
+	GACCUM_COLAB_LESSONS= IPYTHONDIR=$(CURDIR)/build/colab/ipython $(PY) -m pytest --nbmake --overwrite \
 	  $(if $(filter 0,$(NB_WORKERS)),,-n $(NB_WORKERS)) -p no:cacheprovider -q build/colab/run/*.ipynb
-	$(PY) -m pytest tests -q -m colab_outputs -p no:cacheprovider
+	GACCUM_COLAB_EXECUTED=build/colab/run $(PY) -m pytest tests -q -m colab_outputs -p no:cacheprovider
 
 # Where learners run it, outside the repository: a wheel in a fresh venv runs every lesson from another
 # folder, and a lesson's install cell sets up a venv that has only Jupyter. Several minutes and PyPI (or
@@ -130,18 +131,22 @@ pythons:
 # plots, launch buttons answer. Screenshots go to build/screenshots/. The browser comes first:
 # tests/browser/chromium.py finds an installed Chrome/Chromium, or installs Debian's Chromium
 # (as root or through passwordless sudo), or stops here naming the one command that fixes it.
-# Two workers, as for the notebooks: each runs its own JupyterLab and Chromium (203 s -> 144-154 s here).
-# The launching lessons run there in kernels Accelerate takes for Colab's (what `make colab` checks under
-# nbmake; here in one run fewer): their Run All outputs, saved to build/browser/executed, must show
-# the seed's figures from real processes. nbmake has already run every lesson in a plain kernel.
+# Two workers, as for the notebooks (longest first too): each runs its own JupyterLab and Chromium
+# (203 s -> 127-160 s here, the Colab kernels included).
+# The launching lessons run there in kernels Accelerate takes for Colab's (the check `make colab` makes
+# under nbmake, here without a third run of these lessons): their Run All outputs, saved to
+# BROWSER_EXECUTED, must show the seed's figures from real processes. nbmake has already run every
+# lesson in a plain kernel. With GACCUM_BROWSER_NOTEBOOKS set (a scratch run) that check is left out.
+BROWSER_EXECUTED ?= build/browser/executed
 browser: $(STAMP)
 	@mkdir -p build && $(PY) tests/browser/chromium.py --provide > build/chromium-path
-	rm -rf build/browser/executed
+	rm -rf $(BROWSER_EXECUTED)
 	GACCUM_CHROMIUM="$$(cat build/chromium-path)" GACCUM_COLAB_LESSONS="$(COLAB_LESSONS)" \
-	  $(PY) -m pytest tests/browser -q --tb=short -p no:cacheprovider \
-	  $(if $(filter 0,$(NB_WORKERS)),,-n $(NB_WORKERS) --dist worksteal)
+	  GACCUM_BROWSER_EXECUTED=$(BROWSER_EXECUTED) $(PY) -m pytest tests/browser -q --tb=short -p no:cacheprovider \
+	  $(if $(filter 0,$(NB_WORKERS)),,-n $(NB_WORKERS))
 	if [ -z "$${GACCUM_BROWSER_NOTEBOOKS:-}" ]; then \
-	  GACCUM_COLAB_EXECUTED=build/browser/executed $(PY) -m pytest tests -q -m colab_outputs -p no:cacheprovider; fi
+	  GACCUM_COLAB_EXECUTED=$(BROWSER_EXECUTED) $(PY) -m pytest tests -q -m colab_outputs -p no:cacheprovider; \
+	else echo ">> GACCUM_BROWSER_NOTEBOOKS is set: the Colab lessons' outputs are not checked"; fi
 
 # The lessons as a static site that works offline: renders build/site/index.html and one page per
 # notebook from the outputs `make notebooks` left in build/executed (widgets keep their last state),

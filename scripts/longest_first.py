@@ -3,8 +3,9 @@
 
     python scripts/longest_first.py build/executed/*.ipynb
 
-`make notebooks` hands nbmake's two pytest-xdist workers the notebooks in this order: the long
-lessons start first and the short ones fill the end, so the workers finish close together.
+`make notebooks` hands nbmake's two pytest-xdist workers the notebooks in this order: xdist gives
+each worker two, then one at a time as they finish, so the long lessons start first and the short
+ones fill the end.
 A notebook the map does not know (a scratch one) comes last.
 """
 

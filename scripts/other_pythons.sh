@@ -30,7 +30,7 @@ for version in $PYTHONS; do
   "$venv/bin/uv" pip install --quiet --python "$venv/bin/python" --no-deps -e .
   "$venv/bin/python" -m pip check
   "$venv/bin/python" -c 'import sys, torch, accelerate, transformers; print("python", sys.version.split()[0], "torch", torch.__version__, "accelerate", accelerate.__version__, "transformers", transformers.__version__)'
-  "$venv/bin/python" -m pytest tests -q -p no:cacheprovider -n 2 \
+  "$venv/bin/python" -m pytest tests -q -p no:cacheprovider -n 2 --dist worksteal \
     -m "not notebooks and not colab_outputs and not field" \
     --deselect tests/test_environment.py::test_torch_is_the_pinned_cpu_build_and_no_cuda_package_is_installed \
     --deselect tests/test_environment.py::test_a_second_make_env_has_nothing_to_do

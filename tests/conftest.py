@@ -18,7 +18,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "test_executed_notebooks" in item.nodeid:
             item.add_marker(pytest.mark.notebooks)
-    # The slow tests (real processes, 10-90 s each here) run first, in their usual order: `make unit`'s
-    # two workers (pytest-xdist, worksteal) then end on short tests. With one of them last, one core
-    # idled for up to 74 s while the other finished it.
+    # The slow tests (real processes, 8-80 s each here) are queued first, in their usual order. Under
+    # `--dist worksteal` (make unit, make pythons) one worker gets them all and the other, once idle, takes
+    # the tail of its queue, so none starts near the end. xdist's default load scheduling would hand them
+    # all to one worker in its first chunk and never move them: use worksteal wherever this order applies.
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)

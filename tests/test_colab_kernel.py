@@ -1,8 +1,8 @@
 """The launching lessons in a kernel that Accelerate takes for Colab's.
 
 `make browser` (part of `make test`) runs them so in JupyterLab and saves their outputs to
-build/browser/executed; `make colab` runs them under nbmake into build/colab/run (the default
-here). GACCUM_COLAB_EXECUTED names the folder these tests read.
+build/browser/executed; `make colab` runs them under nbmake into build/colab/run. These tests read
+the folder GACCUM_COLAB_EXECUTED names (build/colab/run when it is unset).
 
 On Colab with fewer than 2 GPUs `notebook_launcher` starts no process; the lessons must notice it
 (`gaccum_lib.hosts.notebook_launcher_forks`) and start real processes with `debug_launcher`,

@@ -18,12 +18,14 @@ Settings (environment variables):
 - The browser itself comes from pytest-playwright (``page``), launched with the two fixtures
   below that name the executable and its flags.
 - ``GACCUM_COLAB_LESSONS``: notebooks (names without ``.ipynb``, separated by spaces) whose kernels
-  Accelerate is to take for Colab's (``tests/colab/kernel_startup.py`` starts every kernel and
-  applies to those only). ``make browser`` names the launching lessons, so Run All and their
-  launch buttons take the path a Colab learner takes; the other lessons get a plain kernel.
+  Accelerate is to take for Colab's (every kernel JupyterLab starts runs
+  ``tests/colab/kernel_startup.py``, which changes only those). ``make browser`` names the
+  launching lessons, so Run All (and lesson 04's launch button) take a Colab learner's path; the
+  other lessons get a plain kernel. Unset: no start-up script, every kernel plain.
 - ``GACCUM_SCREENSHOTS``: where the screenshots go (default ``build/screenshots``).
 - ``GACCUM_BROWSER_EXECUTED``: where each notebook is saved as Run All left it (default
-  ``build/browser/executed``); ``make browser`` then checks the Colab lessons' outputs there.
+  ``build/browser/executed``; ``make browser`` sets it from its BROWSER_EXECUTED and then checks
+  the Colab lessons' outputs there).
 """
 
 from __future__ import annotations
@@ -235,7 +237,8 @@ def browser_context_args(browser_context_args):
 
 def pytest_generate_tests(metafunc):
     if "notebook" in metafunc.fixturenames:
-        # The longest lessons first (the lesson map's run times): the two workers then end together.
+        # The longest lessons queued first (the lesson map's run times): xdist hands them out two, then
+        # one at a time to whichever worker is free, and the short ones fill the end.
         from gaccum_course.lessons import LESSONS
 
         seconds = {lesson.notebook: lesson.run_seconds for lesson in LESSONS}

@@ -6,7 +6,8 @@ and nothing else: the kernel, matplotlib and the widgets keep working. `make col
 launching lessons in such kernels under nbmake; `make browser` runs them so in JupyterLab, where
 every lesson's kernel starts with this script: there GACCUM_COLAB_LESSONS names the notebooks
 (without .ipynb) to treat so, and JupyterLab hands each kernel its notebook's path in
-JPY_SESSION_NAME. tests/test_colab_kernel.py reads what the lessons printed.
+JPY_SESSION_NAME. With GACCUM_COLAB_LESSONS unset or empty every kernel that runs it is changed
+(`make colab`). tests/test_colab_kernel.py reads what the lessons printed.
 """
 
 import os as _os
