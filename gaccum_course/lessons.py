@@ -81,6 +81,13 @@ LESSONS = (
 )
 
 
+def longest_first(paths: list) -> list:
+    """The notebooks at ``paths``, the longest-running lesson first (one not in the map last): the order
+    `make notebooks` and `make browser` queue them in, so the long ones start first."""
+    seconds = {lesson.notebook: lesson.run_seconds for lesson in LESSONS}
+    return sorted(paths, key=lambda path: -seconds.get(Path(path).name, 0))
+
+
 @dataclass(frozen=True)
 class LearnerTime:
     reading: float  # minutes: prose

@@ -14,8 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gaccum_course.lessons import LESSONS  # noqa: E402 -- the repository's copy, not an installed one
+from gaccum_course.lessons import longest_first  # noqa: E402 -- the repository's copy, not an installed one
 
 if __name__ == "__main__":
-    seconds = {lesson.notebook: lesson.run_seconds for lesson in LESSONS}
-    print(" ".join(sorted(sys.argv[1:], key=lambda path: -seconds.get(Path(path).name, 0))))
+    print(" ".join(longest_first(sys.argv[1:])))

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from gaccum_course import benchmarks
-from gaccum_course.lessons import LESSONS, lesson_table
+from gaccum_course.lessons import LESSONS, lesson_table, longest_first
 
 FIX = "run `python scripts/update_lesson_times.py`"  # what mends a stale time in any of these places
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,6 +77,18 @@ def test_readme_lesson_table_is_the_lesson_map():
     readme = (ROOT / "README.md").read_text()
     block = readme.split("<!-- lessons:start -->\n", 1)[1].split("\n<!-- lessons:end -->", 1)[0]
     assert block == lesson_table()
+
+
+def test_make_notebooks_queues_the_lessons_longest_first_and_a_scratch_notebook_last():
+    paths = [f"build/executed/{lesson.notebook}" for lesson in LESSONS] + ["build/executed/scratch.ipynb"]
+    queued = longest_first(list(reversed(paths)))
+    seconds = [next(x.run_seconds for x in LESSONS if x.notebook == Path(p).name) for p in queued[:-1]]
+    assert seconds == sorted(seconds, reverse=True) and queued[-1].endswith("scratch.ipynb")
+    assert sorted(queued) == sorted(paths)  # nothing lost
+    # what the Makefile runs: the same order, as one line of paths
+    printed = subprocess.run([sys.executable, str(ROOT / "scripts" / "longest_first.py"), *paths],
+                             capture_output=True, text=True, check=True).stdout.split()
+    assert printed == longest_first(paths)
 
 
 def test_run_times_match_the_benchmark_and_the_notebooks_say_the_same():

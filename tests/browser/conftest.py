@@ -239,10 +239,9 @@ def pytest_generate_tests(metafunc):
     if "notebook" in metafunc.fixturenames:
         # The longest lessons queued first (the lesson map's run times): xdist hands them out two, then
         # one at a time to whichever worker is free, and the short ones fill the end.
-        from gaccum_course.lessons import LESSONS
+        from gaccum_course.lessons import longest_first
 
-        seconds = {lesson.notebook: lesson.run_seconds for lesson in LESSONS}
-        notebooks = sorted(notebooks_under_test(), key=lambda path: -seconds.get(path.name, 0))
+        notebooks = longest_first(notebooks_under_test())
         metafunc.parametrize("notebook", notebooks, ids=[p.name for p in notebooks])
 
 
