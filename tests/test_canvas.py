@@ -12,19 +12,12 @@ import matplotlib.axis
 import matplotlib.legend
 import numpy as np
 import pytest
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from plain_agg import plain_agg_pixels
 
 from gaccum_course import _canvas
 from gaccum_course._canvas import ExplorerCanvas
 from gaccum_course.style import RC
-
-
-def plain_agg(figure) -> np.ndarray:
-    with matplotlib.rc_context(RC):
-        canvas = FigureCanvasAgg(figure)
-        canvas.draw()
-        return np.asarray(canvas.buffer_rgba()).copy()
 
 
 def explorer_canvas(figure) -> np.ndarray:
@@ -70,7 +63,7 @@ def test_titles_and_ticks_come_out_where_plain_agg_puts_them(case):
         left.twiny().set_xlabel("a top label")
     elif case == "log axis":
         right.set_yscale("log")
-    np.testing.assert_array_equal(explorer_canvas(figure), plain_agg(figure))
+    np.testing.assert_array_equal(explorer_canvas(figure), plain_agg_pixels(figure))
     if case == "offset text":  # the case is what it says: there is an offset text
         assert left.yaxis.get_offset_text().get_text()
 
@@ -103,7 +96,7 @@ def drawn_twice(change, monkeypatch):
         canvas.draw()
     drawn = dict(draws)
     monkeypatch.undo()
-    return np.asarray(canvas.buffer_rgba()).copy(), plain_agg(figure), drawn
+    return np.asarray(canvas.buffer_rgba()).copy(), plain_agg_pixels(figure), drawn
 
 
 def test_a_legend_and_axes_are_pasted_when_only_the_lines_change(monkeypatch):
@@ -173,7 +166,7 @@ def test_without_matplotlibs_tick_internals_draws_are_plain(monkeypatch):
     monkeypatch.setattr(matplotlib.axis.Axis, "draw", lambda self, renderer: (
         during_draw.append(set(vars(self)) & {"_update_ticks", "_get_ticklabel_bboxes", "draw"}),
         original(self, renderer))[1])
-    np.testing.assert_array_equal(explorer_canvas(figure), plain_agg(figure))
+    np.testing.assert_array_equal(explorer_canvas(figure), plain_agg_pixels(figure))
     assert len(during_draw) == 8 and not any(during_draw)  # neither shadowed nor pasted, in both draws
 
 

@@ -1,12 +1,11 @@
 """The explorers: state a test can read, plots that change, errors that are clear and survivable."""
 
-import matplotlib
 import numpy as np
 import pytest
-from matplotlib.backends.backend_agg import FigureCanvasAgg, RendererAgg
+from matplotlib.backends.backend_agg import RendererAgg
+from plain_agg import plain_agg_pixels
 
 from gaccum_course import _canvas
-from gaccum_course.style import RC
 from gaccum_course.widgets import (
     Explorer,
     launch_explorer,
@@ -216,13 +215,6 @@ def test_a_bad_value_in_a_drawn_once_explorer_shows_the_error_and_keeps_the_last
 
 
 # The explorers' canvas remembers how it drew text (gaccum_course._canvas): the pixels must be plain Agg's.
-def plain_agg_pixels(figure) -> np.ndarray:
-    canvas = FigureCanvasAgg(figure)  # the figure's canvas from now on
-    with matplotlib.rc_context(RC):
-        canvas.draw()
-    return np.asarray(canvas.buffer_rgba()).copy()
-
-
 @pytest.mark.parametrize("name", MOVES)
 def test_the_explorers_canvas_draws_the_pixels_of_plain_agg(name):
     make, a, b = MOVES[name]
