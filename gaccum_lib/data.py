@@ -32,7 +32,9 @@ IGNORE_INDEX = -100  # PyTorch's cross_entropy ignores this label: padding never
 def _seeded_init(seed: int, build):
     """Build a module under a private RNG so the global random state is left alone."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        # The CPU generator only, the one fork_rng restores and the weights are drawn from: torch.manual_seed
+        # would also reseed every GPU's generator (at once, or when CUDA starts), and nothing would restore it.
+        torch.default_generator.manual_seed(seed)
         return build()
 
 

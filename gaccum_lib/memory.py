@@ -83,7 +83,7 @@ def memory_demo_model(width: int = 1024, depth: int = 3, features: int = 256, se
     check_int("depth", depth, minimum=1, maximum=32)
     check_int("features", features, minimum=1, maximum=16384)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)  # the CPU's only, as in gaccum_lib.data._seeded_init
         layers, size = [], features
         for _ in range(depth):
             layers += [nn.Linear(size, width), nn.GELU()]

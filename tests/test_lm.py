@@ -110,6 +110,20 @@ def test_the_model_starts_from_seeded_weights_and_leaves_the_global_rng_alone(sm
     assert sum(p.numel() for p in a.parameters()) == 14993
 
 
+def test_building_a_model_leaves_the_gpus_generators_alone(small, monkeypatch):
+    # torch.manual_seed also reseeds every GPU (queued until CUDA starts, on a machine without one), which
+    # fork_rng(devices=[]) does not undo: the models are seeded through the CPU's generator only.
+    from gaccum_lib.memory import memory_demo_model
+
+    reseeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: reseeded.append(seed))
+    small.make_model()
+    memory_demo_model(width=8, depth=1, features=4, seed=3)
+    assert reseeded == []
+    torch.manual_seed(5)  # the spy sees a reseed where there is one
+    assert reseeded == [5]
+
+
 def test_make_problem_rebuilds_the_same_problem_from_its_spec():
     for problem in (tiny_lm(32), tiny_lm(48, packed=True, model_seed=3, dtype="float32")):
         again = make_problem(problem.spec)
