@@ -39,45 +39,45 @@ class Lesson:
 
 LESSONS = (
     Lesson("00_start_here.ipynb", "Start here",
-           "Check the environment, see the map of the suite, take the 2.04 teaser.", "about 9 s", (10, 20)),
+           "Check the environment, see the map of the suite, take the 2.04 teaser.", "about 6 s", (10, 20)),
     Lesson("01_why_accumulate.ipynb", "Why accumulate",
            "Memory measured; the plain loop; / GA vs forgetting it (2.04 vs 8.16); equal to the full batch.",
-           "about 11 s", (20, 35)),
+           "about 9 s", (20, 35)),
     Lesson("02_accelerate_does_it.ipynb", "Accelerate does it for you",
            "Accelerator, prepare, accumulate(), backward divides by GA, sync_gradients, the short last window, "
            "clipping.",
-           "about 10 s", (25, 35)),
+           "about 8 s", (25, 35)),
     Lesson("03_variable_length_trap.ipynb", "The variable-length trap",
            "Naive mean of means vs token normalisation: [0.0775, 0.4514] vs [0.0953, 0.4337]; error grows with GA.",
-           "about 11 s", (25, 40)),
+           "about 8 s", (25, 40)),
     Lesson("04_many_processes.ipynb", "Many processes",
            "x num_processes, gathering the count, no_sync, a simulator, and a real notebook_launcher run: "
-           "[0.2117, 0.3172].", "about 13 s", (35, 50)),
+           "[0.2117, 0.3172].", "about 10 s", (35, 50)),
     Lesson("05_capstone_language_model.ipynb", "Capstone: a tiny language model",
            "A character transformer on a shipped story: targets after the shift, naive vs token-normalised on 1 "
-           "and 2 real processes, the naive error growing with GA, packing hiding it.", "about 16 s", (60, 80)),
+           "and 2 real processes, the naive error growing with GA, packing hiding it.", "about 14 s", (60, 80)),
     Lesson("06_pitfalls_gallery.ipynb", "A gallery of pitfalls",
            "Sixteen mistakes, most of them silent, reproduced with symptom and fix; check_accumulation catches the "
            "loop-level ones.",
-           "about 12 s", (50, 65)),
+           "about 10 s", (50, 65)),
     Lesson("07_benchmarks.ipynb", "What it costs and saves, measured",
            "Saved make-bench results: token normalisation's cost, accumulation's time cost, no_sync's saving, "
            "flat memory, speeds.",
-           "about 7 s", (15, 30)),
+           "about 6 s", (15, 30)),
     Lesson("08_your_real_stack.ipynb", "Your real stack: transformers, the Trainer, AdamW, bf16",
            "GPT-2 and Llama from configs: naive vs num_items_in_batch (weights and logged loss); the Trainer's GA "
            "equals its full batch on 1 and 2 real processes, but counts GPT-2's labels before the shift (0.9456 of "
            "each update); AdamW hides a forgotten / GA, not a mean of means; bf16 gradient buffers.",
-           "about 18 s", (45, 55)),
+           "about 15 s", (45, 55)),
     Lesson("09_schedulers_across_processes.ipynb", "Schedulers across processes",
            "A prepared scheduler steps N times per update, measured; N x ceil(ceil(L/N)/GA) steps an epoch "
            "(128, not 125); sizing total_steps; split_batches; sync_each_batch; adjust_scheduler read as False.",
-           "about 10 s", (30, 45)),
+           "about 9 s", (30, 45)),
     Lesson("10_past_ddp.ipynb", "Past DDP: FSDP, DeepSpeed, RL losses",
            "FSDP2 on 2 real processes equals the full batch: 3 reduce-scatters an update instead of 12, a whole "
            "gradient held instead of a shard; DeepSpeed's own accumulation (and its clip at 1.0); which GRPO loss "
            "types survive GA (bnpo drifts); BatchNorm, in-batch negatives and load balancing, with their fixes.",
-           "about 17 s", (40, 55)),
+           "about 15 s", (40, 55)),
 )
 
 

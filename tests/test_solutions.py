@@ -27,7 +27,7 @@ def _naive_accumulation_step(model, optimizer, micro_batches, loss_fn, ctx):
 
 WRONG = {"00.2": 2, "01.1": 2.04, "01.2": 0.02, "02.1": [3, 6, 9], "03.2": [1, 2, 3, 4, 5, 6, 7, 8], "04.1": 52,
          "05.1": 1835, "05.2": 2, "05.3": _naive_accumulation_step, "05.4": "mean_of_means", "06.2": "no update",
-         "07.2": ("larger", "larger"), "07.3": 36.1,
+         "07.2": ("larger", "larger"), "07.3": 34.8,
          "08.1": 50 / 49, "08.2": lambda model: model,
          "09.1": 250, "10.1": (16, 2), "10.2": 1 / 16}  # 07.3: the slower time / GA, other work included
 
