@@ -2,8 +2,9 @@
 
 The lessons' models have a few to a few thousand weights: splitting their operations over
 threads gains nothing, and on a busy 2-core laptop (a browser, a second kernel, a launch)
-OpenMP threads that spin-wait for a core make a 10 ms computation take seconds. The
-setting is restored afterwards, so the learner's own code keeps PyTorch's default.
+OpenMP threads that spin-wait for a core make a 10 ms computation take seconds. Both
+settings are restored afterwards (the CPU set for the calling thread only), so the
+learner's own code keeps PyTorch's default.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ def _current_core() -> int | None:
 
 @contextlib.contextmanager
 def one_core():
-    """Keep this thread, and every thread it starts meanwhile, on the core it runs on now (Linux only).
+    """Keep this thread, and every thread or process it starts meanwhile, on the core it runs on now.
+
+    Only where ``os.sched_setaffinity`` exists (Linux); elsewhere it does nothing.
 
     For Python threads that hold the GIL by turns (the simulated ranks of ``check_accumulation``): on
     several cores they hand the GIL across cores around every small torch kernel, and waking a thread
