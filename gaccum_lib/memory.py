@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ._checks import check_choice, check_int
+from .data import _seeded_init
 
 BACKWARDS = {"each": "a backward per micro-batch", "summed": "one backward of the summed loss"}
 
@@ -82,13 +83,15 @@ def memory_demo_model(width: int = 1024, depth: int = 3, features: int = 256, se
     check_int("width", width, minimum=1, maximum=16384)
     check_int("depth", depth, minimum=1, maximum=32)
     check_int("features", features, minimum=1, maximum=16384)
-    with torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed(seed)  # the CPU's only, as in gaccum_lib.data._seeded_init
+
+    def build():
         layers, size = [], features
         for _ in range(depth):
             layers += [nn.Linear(size, width), nn.GELU()]
             size = width
         return nn.Sequential(*layers, nn.Linear(size, 1))
+
+    return _seeded_init(seed, build)
 
 
 @dataclass(frozen=True)
