@@ -172,6 +172,7 @@ bench: $(STAMP)
 
 bench-save: $(STAMP)
 	$(PY) benchmarks/bench.py --out gaccum_course/saved/benchmarks.json --plot benchmarks/results.png
+	$(PY) benchmarks/write_results.py
 
 determinism: $(STAMP)
 	$(PY) scripts/check_determinism.py --runs 3
