@@ -1,7 +1,7 @@
 """The saved results of `make bench-save` (package data, gaccum_course/saved/benchmarks.json): load, print, plot.
 
-Lesson 07 and the README show them; the measuring itself is `benchmarks/bench.py`, outside
-the library (it is infrastructure, not something a learner needs to read).
+Lesson 07 shows them, and `benchmarks/write_results.py` writes them to benchmarks/RESULTS.md; the measuring
+itself is `benchmarks/bench.py`, outside the library (it is infrastructure, not something a learner needs to read).
 """
 
 from __future__ import annotations
