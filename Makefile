@@ -45,14 +45,14 @@ env: $(STAMP)
 # Rebuilt only when the pins or the package metadata change: a second `make lab` installs nothing.
 # This machine's pip.conf names index folders that do not exist; drop pip's warning about each.
 QUIET_PIP := sed -u '/is ignored: it is neither a file nor a directory/d'
-# --no-compile: pip would byte-compile every installed module (275 MiB of .pyc, mostly for modules
-# nothing here imports); scripts/compile_imports.py then writes the .pyc of what the suite imports.
-PIP_INSTALL := $(PY) -m pip install --quiet --no-compile
+PIP_INSTALL := $(PY) -m pip install --quiet
 # uv installs the lock in seconds where pip takes a minute (parallel downloads, no resolver work:
 # the lock pins everything, so --no-deps, and `pip check` then proves the set consistent). Where uv
 # cannot reach an index pip can (a pip.conf mirror), pip takes over.
 UV_VERSION := 0.13.9
-UV_INSTALL := $(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps
+# --compile-bytecode: write every module's .pyc at install time, as pip does; where PYTHONDONTWRITEBYTECODE
+# is set (CI) nothing would be cached later, and every process would compile torch's modules again.
+UV_INSTALL := $(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps --compile-bytecode
 
 $(STAMP): requirements/lock.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "gaccum needs Python 3.11 or newer, found " + sys.version.split()[0])'
@@ -63,9 +63,8 @@ $(STAMP): requirements/lock.txt pyproject.toml
 	@echo ">> installing the pinned dependencies (requirements/lock.txt) with uv $(UV_VERSION)"
 	@$(PIP_INSTALL) "uv==$(UV_VERSION)" 2>&1 | $(QUIET_PIP)
 	@$(UV_INSTALL) -r requirements/lock.txt || $(PIP_INSTALL) -r requirements/lock.txt 2>&1 | $(QUIET_PIP)
-	@$(UV_INSTALL) -e . || $(PIP_INSTALL) --no-deps -e . 2>&1 | $(QUIET_PIP)
+	@$(UV_INSTALL) -e ".[deepspeed]" || $(PIP_INSTALL) --no-deps -e ".[deepspeed]" 2>&1 | $(QUIET_PIP)
 	@$(PY) -m pip check
-	@$(PY) scripts/compile_imports.py
 	@touch $(STAMP)
 
 lab: $(STAMP)
@@ -76,7 +75,7 @@ lab: $(STAMP)
 test: lint unit notebooks browser
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check gaccum_lib gaccum_check gaccum_course benchmarks tests scripts examples solutions notebooks
+	$(VENV)/bin/ruff check gaccum_lib gaccum_launch gaccum_check gaccum_course benchmarks tests scripts examples solutions notebooks
 	$(PY) scripts/check_notebooks.py notebooks
 
 # Two workers, as for the notebooks: the real-process tests take their ports from the OS and their

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gaccum_lib._checks import check_float
-from gaccum_lib._threads import one_core, single_thread
+from gaccum_lib._threads import single_thread
 
 from . import diagnoses
 from .inputs import build_model, check_callable, check_micro_batches, check_process_counts, trainable
@@ -189,9 +189,8 @@ def check_accumulation(step, make_model, micro_batches, loss_fn, *, num_processe
         if lr is not None:
             raise ValueError("lr applies to the default SGD only; with make_optimizer set the learning rate there")
 
-    # Tiny models: intra-op threads that spin for a core only slow the ranks down; the ranks' own threads take
-    # turns at the GIL, and do so faster on one core than across two (gaccum_lib._threads.one_core).
-    with single_thread(), one_core():
+    # Tiny models: intra-op threads that spin for a core only slow the ranks down (restored afterwards).
+    with single_thread():
         known: dict = {}
         reference_model = build_model(make_model, known)
         w0 = flat(trainable(reference_model))

@@ -2,7 +2,7 @@
 
 Each runs the user's code as they run it, at GA k on every process count asked for and as its
 full batch (:mod:`.invariance` says what is compared and how it is judged). A function and the
-Trainer run in processes forked by :func:`gaccum_lib.launch.launch`; a script runs as its own
+Trainer run in processes forked by :func:`gaccum_launch.launch`; a script runs as its own
 ``python`` process, or under ``torchrun`` for several; all of them are recorded by
 :mod:`.recording` without a line of them changed.
 """
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
+from gaccum_launch import gpu_count, launch
 from gaccum_lib._checks import check_float, check_int
-from gaccum_lib.launch import gpu_count, launch
 
 from .invariance import InvarianceCheckError, InvarianceReport, Run, judge
 from .ranks import processes_text

@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 from importlib import metadata
 
-from gaccum_lib.launch import gpu_count
+from gaccum_launch import gpu_count
 
 PACKAGES = ("torch", "accelerate", "transformers", "numpy", "matplotlib", "ipywidgets", "jupyterlab", "nbmake")
 

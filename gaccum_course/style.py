@@ -14,8 +14,6 @@ import matplotlib.layout_engine
 import matplotlib.pyplot as plt
 import matplotlib.ticker
 
-from gaccum_lib._gc import freeze_imports
-
 # Okabe & Ito (2008): distinguishable with every common colour-vision deficiency.
 OKABE_ITO = {
     "black": "#000000", "orange": "#E69F00", "sky": "#56B4E9", "green": "#009E73",
@@ -141,5 +139,3 @@ def powers_of_ten(ax, axis: str = "y") -> None:
 def _markevery(n: int) -> int:
     return max(1, n // 12)
 
-
-freeze_imports()  # matplotlib, imported above, stays for the process's life: no collection walks it

@@ -139,10 +139,10 @@ def variable_length_explorer(*, strict: bool = False, num_sequences: int = 64) -
 
 
 def launch_explorer(*, strict: bool = False) -> Explorer:
-    """Lesson 04: the seed's 2-process experiment in real processes (gaccum_lib.launch) next to the simulator."""
+    """Lesson 04: the seed's 2-process experiment in real processes (gaccum_launch.launch) next to the simulator."""
+    from gaccum_launch import choose_device, cpu_process_limit, gpu_count
     from gaccum_lib.accelerate_runs import real_run
     from gaccum_lib.data import seed_sequences
-    from gaccum_lib.launch import choose_device, cpu_process_limit, gpu_count
 
     def compute(num_processes, strategy):
         problem = seed_sequences(8 * num_processes)  # the seed sizes the data as 4 x GA x processes

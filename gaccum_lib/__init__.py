@@ -6,8 +6,8 @@ The modules follow the reading order of the notebooks:
 * :mod:`~gaccum_lib.strategies` -- how each strategy scales a micro-batch's loss
 * :mod:`~gaccum_lib.sharding` -- which micro-batches each process gets (as Accelerate decides)
 * :mod:`~gaccum_lib.simulate` -- train with any strategy on N simulated processes
-* :mod:`~gaccum_lib.launch` / :mod:`~gaccum_lib.accelerate_runs` -- the same with real Accelerate
-  in real processes
+* :mod:`~gaccum_lib.accelerate_runs` -- the same with real Accelerate in real processes
+  (started by :mod:`gaccum_launch`, the launching machinery, kept apart)
 * :mod:`~gaccum_lib.schedule`, :mod:`~gaccum_lib.memory` -- schedulers and memory under accumulation
 * :mod:`~gaccum_lib.lm`, :mod:`~gaccum_lib.real_stack` -- a character transformer; tiny GPT-2 / Llama
 
@@ -16,7 +16,8 @@ full batch, and :mod:`gaccum_course` runs the classroom (figures, explorers, exe
 lesson map, saved benchmarks, the environment report).
 """
 
-from ._gc import freeze_imports
+from gaccum_launch import LaunchError, launch, reset_accelerate_state  # re-exported: the lessons' launcher
+
 from .accelerate_runs import SYNC_MODES, accelerate_train, fresh_accelerator, real_run
 from .compare import cmp, fmt_weights, max_diff
 from .data import (
@@ -30,13 +31,10 @@ from .data import (
     sequences_from_lengths,
     toy_regression,
 )
-from .launch import LaunchError, launch, reset_accelerate_state
 from .lm import LMProblem, count_targets_before_shift, error_vs_ga, tiny_lm
 from .sharding import plan_windows, shard_batches
 from .simulate import Trajectory, compare_strategies, simulate
 from .strategies import LABELS, STRATEGIES, accelerate_backward_loss, plain_backward_loss
-
-freeze_imports()  # torch and numpy, imported above, stay for the process's life: no collection walks them
 
 __version__ = "0.1.0"
 

@@ -22,9 +22,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gaccum_launch import gpu_count, launch
+
 from ._checks import check_choice
 from .data import Problem, make_problem
-from .launch import gpu_count, launch
 from .sharding import plan_windows
 from .simulate import Trajectory, check_training_args, flat_weights
 from .strategies import accelerate_backward_loss, check_strategy
@@ -48,7 +49,7 @@ def fresh_accelerator(**kwargs):
     """
     from accelerate import Accelerator
 
-    from .launch import reset_accelerate_state
+    from gaccum_launch import reset_accelerate_state
 
     reset_accelerate_state(quiet=True)
     kwargs.setdefault("cpu", True)

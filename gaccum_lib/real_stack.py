@@ -26,12 +26,10 @@ import torch
 from torch import nn
 
 from ._checks import check_choice, check_int
-from ._gc import freeze_imports
 from .data import IGNORE_INDEX
 from .lm import corpus_lines, corpus_text, targets_after_shift, vocabulary
 
 MODEL_KINDS = ("gpt2", "llama")
-_transformers_frozen = False  # see tiny_causal_lm and gaccum_lib._gc
 
 
 def quiet_transformers() -> None:
@@ -52,12 +50,8 @@ def tiny_causal_lm(kind: str = "llama", *, seed: int = 0, hidden_size: int = 32,
     Dropout is 0 (Llama has none; GPT-2's is switched off) so two runs that should agree can be
     compared to rounding, as in lesson 05.
     """
-    global _transformers_frozen
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    if not _transformers_frozen:  # once, at the first call: transformers' models were imported just above
-        freeze_imports()
-        _transformers_frozen = True
     check_choice("kind", kind, MODEL_KINDS)
     check_int("seed", seed, minimum=0)
     check_int("hidden_size", hidden_size, minimum=2, maximum=1024)

@@ -137,7 +137,7 @@ def one_cycle_lrs(num_batches: int, grad_accum_steps: int, *, honour_adjust_sche
     from accelerate import Accelerator
     from accelerate.utils import GradientAccumulationPlugin
 
-    from .launch import reset_accelerate_state
+    from gaccum_launch import reset_accelerate_state
 
     check_int("num_batches", num_batches, minimum=1)
     check_int("grad_accum_steps", grad_accum_steps, minimum=1)

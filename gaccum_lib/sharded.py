@@ -11,34 +11,36 @@ what measures them, so nothing here is what a learner came to copy.
   DataLoader deals them (process r takes micro-batches r, r + P, ...), GA to a window.
 * :func:`full_batch_weights`: plain SGD on one process, one micro-batch per update: what every
   run must equal.
-* :func:`count_collectives`: counts the collective calls made inside it, by name (FSDP2
-  reduce-scatters gradients and all-gathers parameters through ``torch.distributed``).
+* :func:`count_collectives`: counts the collective calls made inside it, by kind (FSDP2
+  reduce-scatters gradients and all-gathers parameters through ``torch.distributed``; which
+  function of each kind it calls differs between torch versions).
 * :func:`gradient_elements_held`: the gradient elements an FSDP2 model holds in this process
   right now: the sharded gradient (``param.grad``, 1/P of each parameter) and any unsharded
   gradient kept between micro-batches while gradient sync is off.
 * :func:`deepspeed_config`: the smallest DeepSpeed config for these runs (ZeRO stage 0, SGD).
-* :func:`deepspeed_on_cpu_ranks`: DeepSpeed's CPU back end for this kernel and the ranks it launches.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections import Counter
 
 import torch
 from torch import nn
 
 from ._checks import check_int
-from ._fork_imports import expect_deepspeed_in_ranks
 
 #: Rows of the regression (divisible by every window the lesson uses).
 NUM_ROWS = 64
 #: Learning rate of every run.
 LR = 0.1
-# What torch.distributed offers that FSDP2, DDP and DeepSpeed call to move gradients and weights.
-COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_into_tensor",
-               "all_gather_single", "reduce_scatter", "all_gather", "broadcast")
+# The torch.distributed functions that FSDP2, DDP and DeepSpeed call to move gradients and weights, by kind.
+# torch 2.13's FSDP2 calls reduce_scatter_single and all_gather_single, torch 2.11's reduce_scatter_tensor and
+# all_gather_into_tensor: the same collectives, so they are counted by kind.
+COLLECTIVES = {"all_reduce": "all-reduce", "reduce_scatter_tensor": "reduce-scatter",
+               "reduce_scatter_single": "reduce-scatter", "reduce_scatter": "reduce-scatter",
+               "all_gather_into_tensor": "all-gather", "all_gather_single": "all-gather", "all_gather": "all-gather",
+               "broadcast": "broadcast"}
 
 
 def regression_mlp(width: int = 16, *, seed: int = 0) -> nn.Sequential:
@@ -99,7 +101,8 @@ def full_batch_weights(rows_per_update: int, *, width: int = 16, num_rows: int =
 
 @contextlib.contextmanager
 def count_collectives():
-    """Count the ``torch.distributed`` collective calls made inside, by name: ``with count_collectives() as calls:``."""
+    """Count the ``torch.distributed`` collective calls made inside, by kind (``"reduce-scatter"``, ``"all-gather"``,
+    ``"all-reduce"``, ``"broadcast"``): ``with count_collectives() as calls:``."""
     import torch.distributed as dist
 
     calls: Counter = Counter()
@@ -107,7 +110,7 @@ def count_collectives():
 
     def counted(name, function):
         def call(*args, **kwargs):
-            calls[name] += 1
+            calls[COLLECTIVES[name]] += 1
             return function(*args, **kwargs)
         return call
 
@@ -154,15 +157,6 @@ def deepspeed_config(grad_accum_steps: int, micro_batch_size: int, *, gradient_c
             "gradient_clipping": gradient_clipping, "zero_optimization": {"stage": 0}, "steps_per_print": 10**9}
 
 
-def deepspeed_on_cpu_ranks() -> None:
-    """Call before launching ranks that run DeepSpeed on CPUs. DeepSpeed picks its back end once, when
-    it is imported: ``DS_ACCELERATOR=cpu`` from now on, for this kernel and every rank it forks. The next
-    launch imports DeepSpeed here, once, without the shared-memory kernel a fresh rank would otherwise
-    compile (about 25 s the first time on a machine; see ``gaccum_lib._fork_imports``)."""
-    os.environ["DS_ACCELERATOR"] = "cpu"
-    expect_deepspeed_in_ranks()
-
-
-__all__ = ["COLLECTIVES", "LR", "NUM_ROWS", "count_collectives", "deepspeed_config", "deepspeed_on_cpu_ranks",
+__all__ = ["COLLECTIVES", "LR", "NUM_ROWS", "count_collectives", "deepspeed_config",
            "flat_weights", "full_batch_weights", "gradient_elements_held", "rank_windows", "regression_mlp",
            "regression_rows"]

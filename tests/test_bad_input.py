@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from gaccum_launch import choose_device, cpu_process_limit
 from gaccum_lib import (
     cmp,
     count_target_tokens,
@@ -20,7 +21,6 @@ from gaccum_lib import (
     toy_regression,
 )
 from gaccum_lib.data import make_problem
-from gaccum_lib.launch import choose_device, cpu_process_limit
 
 SEQ = seed_sequences(8)
 

@@ -1,6 +1,5 @@
 """check_accumulation: a correct loop passes, each known pitfall fails with its diagnosis, misuse raises."""
 
-import os
 import re
 import threading
 import time
@@ -236,32 +235,6 @@ def test_the_check_is_deterministic():
     assert first.relative_distance == second.relative_distance
     for p in (1, 2):
         assert np.array_equal(first.details[p].user_weights, second.details[p].user_weights)
-
-
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux's")
-def test_the_ranks_share_one_core_and_the_callers_cpus_come_back(monkeypatch):
-    before, seen = os.sched_getaffinity(0), []
-
-    def records_its_cpus(model, optimizer, micro_batches, loss_fn, ctx):
-        seen.append((ctx.num_processes, ctx.rank, frozenset(os.sched_getaffinity(0))))
-        token_normalised(model, optimizer, micro_batches, loss_fn, ctx)
-
-    assert check(records_its_cpus)
-    cores = {cpus for *_, cpus in seen}
-    assert len(cores) == 1 and len(next(iter(cores))) == 1 and next(iter(cores)) <= before, seen
-    assert {(p, r) for p, r, _ in seen} == {(1, 0), (2, 0), (2, 1)}
-    assert os.sched_getaffinity(0) == before
-    with pytest.raises(AccumulationCheckError):  # a step that raises: the caller's CPUs come back too
-        check(lambda *args: 1 / 0)
-    assert os.sched_getaffinity(0) == before
-
-    def refused(pid, cpus):
-        raise OSError(22, "Invalid argument")
-
-    monkeypatch.setattr(os, "sched_setaffinity", refused)  # a CPU set it may not narrow: it runs where it is
-    seen.clear()
-    assert check(records_its_cpus)
-    assert {cpus for *_, cpus in seen} == {frozenset(before)}
 
 
 def test_it_works_when_called_under_no_grad():

@@ -113,7 +113,7 @@ def test_gpus_are_counted_without_the_cuda_check_that_breaks_a_later_fork(monkey
     # Stand in for a 2-GPU machine whose every fork-unsafe probe fails loudly.
     import importlib.util
 
-    from gaccum_lib.launch import choose_device
+    from gaccum_launch import choose_device
 
     spec = importlib.util.spec_from_file_location("bench", Path(__file__).parents[1] / "benchmarks" / "bench.py")
     bench = importlib.util.module_from_spec(spec)

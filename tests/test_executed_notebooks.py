@@ -68,8 +68,8 @@ EXPECTED_FIGURES = {
                                   "gaccum_lib.launch after a reset: [0.2117, 0.3172]",
                                   "accumulate updates that moved the weights: 1 of 4"],
     "10_past_ddp.ipynb": [
-        "collectives per update {'all_gather_single': 24, 'reduce_scatter_single': 3}",
-        "collectives per update {'all_gather_single': 24, 'reduce_scatter_single': 12}",
+        "collectives per update {'all-gather': 24, 'reduce-scatter': 3}",
+        "collectives per update {'all-gather': 24, 'reduce-scatter': 12}",
         "gradient elements held after each backward of the first window [369, 369, 369, 193]",
         "('DistributedType.MULTI_CPU', 'DistributedDataParallel')",
         "accumulate()'s sync_gradients: 4 updates",

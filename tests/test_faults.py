@@ -25,10 +25,10 @@ import psutil
 import pytest
 import torch
 
+from gaccum_launch import choose_device, cpu_process_limit
 from gaccum_lib import LaunchError, launch, real_run, reset_accelerate_state, seed_sequences
-from gaccum_lib.launch import choose_device, cpu_process_limit
 
-launch_module = importlib.import_module("gaccum_lib.launch")  # the package's `launch` is the function
+launch_module = importlib.import_module("gaccum_launch.processes")
 
 pytestmark = pytest.mark.real
 PRINTED = 5e-5
@@ -638,78 +638,3 @@ def _count_runs_then_fail(folder):
     with open(pathlib.Path(folder) / f"ran{rank}", "x"):  # "x": a second run of this rank would fail differently
         pass
     raise RuntimeError("Gloo connectFullMesh failed inside the user's function (simulated)")
-
-
-# A rank's Accelerator.unwrap_model imports DeepSpeed where it is installed (0.3 s, a rank, a launch): the
-# launching process imports it once before the fork, without the warning its import prints on stdout.
-DEEPSPEED_BEFORE_FORK = textwrap.dedent("""
-    import sys
-    from gaccum_lib import launch
-    from gaccum_lib._fork_imports import _calls_unwrap_model
-
-    def measure_only():  # what the lessons' recorders do: no unwrap_model, so no DeepSpeed
-        import torch
-        from accelerate import Accelerator
-        from gaccum_lib.accelerate_runs import inner_module
-
-        model = Accelerator(cpu=True).prepare(torch.nn.Linear(2, 1))
-        return [type(inner_module(model)).__name__, "deepspeed" in sys.modules]
-
-    def imports_it():  # nothing in its code says so: the kernel learns it from the ranks
-        import importlib
-        from accelerate import PartialState
-
-        PartialState(cpu=True)
-        return importlib.import_module("deepspeed").__name__
-
-    def unwrap():
-        def inner(accelerator, model):
-            return accelerator.unwrap_model(model)
-        return inner
-
-    print(_calls_unwrap_model(unwrap), _calls_unwrap_model(measure_only), _calls_unwrap_model(print), flush=True)
-    for function in (measure_only, imports_it, measure_only):
-        print(launch(function, num_processes=2, quiet=True, timeout=120), "deepspeed" in sys.modules, flush=True)
-""")
-
-
-def test_the_kernel_imports_deepspeed_before_a_launch_only_where_ranks_need_it_and_prints_nothing():
-    # unwrap_model imports DeepSpeed wherever it is installed (0.7 s): a kernel whose ranks never call it
-    # should not pay for it; a launched function that calls it, or ranks that imported it at an earlier
-    # launch, make the kernel import it (quietly) so that the ranks inherit it.
-    pytest.importorskip("deepspeed")
-    result = subprocess.run([PYTHON, "-c", DEEPSPEED_BEFORE_FORK], capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.splitlines() == ["True False False",
-                                          "[['Linear', False], ['Linear', False]] False",
-                                          "['deepspeed', 'deepspeed'] False",  # the ranks imported it, silently
-                                          "[['Linear', True], ['Linear', True]] True"]  # inherited from the kernel
-
-
-DEEPSPEED_CPU_RANKS = textwrap.dedent("""
-    import os
-    from gaccum_lib import launch
-    from gaccum_lib.sharded import deepspeed_on_cpu_ranks
-
-    def what_the_rank_inherits():
-        import deepspeed.ops
-        from accelerate import PartialState
-
-        PartialState(cpu=True)
-
-        probed = "__compatible_ops__" in vars(deepspeed.ops)  # before this rank asked for it
-        return [probed, deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"], os.environ["DS_ACCELERATOR"]]
-
-    deepspeed_on_cpu_ranks()
-    print(launch(what_the_rank_inherits, num_processes=2, quiet=True, timeout=120), flush=True)
-""")
-
-
-def test_deepspeed_ranks_inherit_the_probe_and_never_compile_the_shared_memory_kernel():
-    # A fresh rank would probe DeepSpeed's kernels (0.2 s) and compile its CPU shared-memory all-reduce
-    # (about 25 s on a machine that never built it) though training never uses it.
-    pytest.importorskip("deepspeed")
-    result = subprocess.run([PYTHON, "-c", DEEPSPEED_CPU_RANKS], capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.splitlines() == ["[[True, False, 'cpu'], [True, False, 'cpu']]"]
-    assert "cannot find -laio" not in result.stderr  # the probe's test compiles, silenced

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from gaccum_check import check_accumulation
-from gaccum_lib.launch import launch, reset_accelerate_state
+from gaccum_launch import launch, reset_accelerate_state
 from gaccum_lib.real_stack import (
     collate,
     fixed_length_rows,

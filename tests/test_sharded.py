@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from gaccum_lib.launch import launch
+from gaccum_launch import launch
 from gaccum_lib.sharded import (
     LR,
     NUM_ROWS,
@@ -69,8 +69,8 @@ def test_fsdp2_holds_a_whole_gradient_while_sync_is_off_and_a_shard_when_on():
     shard = sum(-(-p.shape[0] // 2) * (p[0].numel() if p.dim() > 1 else 1) for p in regression_mlp(8).parameters())
     assert on["held"] == {"sharded": shard, "unsharded": 0} and shard == 65
     # Three sharded layers: three reduce-scatters when sync is on, none when off; the all_reduce counted too.
-    assert on["calls"]["reduce_scatter_single"] == 3 and "reduce_scatter_single" not in off["calls"]
-    assert on["calls"]["all_reduce"] == off["calls"]["all_reduce"] == 1
+    assert on["calls"]["reduce-scatter"] == 3 and "reduce-scatter" not in off["calls"]
+    assert on["calls"]["all-reduce"] == off["calls"]["all-reduce"] == 1
 
 
 def test_count_collectives_puts_torch_distributed_back():

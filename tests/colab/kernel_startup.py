@@ -8,6 +8,10 @@ every lesson's kernel starts with this script: there GACCUM_COLAB_LESSONS names 
 (without .ipynb) to treat so, and JupyterLab hands each kernel its notebook's path in
 JPY_SESSION_NAME. With GACCUM_COLAB_LESSONS unset or empty every kernel that runs it is changed
 (`make colab`). tests/test_colab_kernel.py reads what the lessons printed.
+
+Colab has no DeepSpeed (an optional extra of the suite): such a kernel hides it. A ``None`` in
+``sys.modules`` makes ``import deepspeed`` raise ImportError and ``importlib.util.find_spec``
+(what Accelerate asks) answer None, in the kernel and in every rank it forks.
 """
 
 import os as _os
@@ -19,4 +23,8 @@ if not _only or _pathlib.Path(_os.environ.get("JPY_SESSION_NAME", "")).stem in _
     _shell.__class__ = type("ColabLikeShell", (type(_shell),),
                             {"__repr__": lambda self: "<google.colab._shell.Shell object (gaccum's stand-in)>"})
     del _shell
+    import sys as _sys
+
+    _sys.modules["deepspeed"] = None
+    del _sys
 del _os, _pathlib, _only

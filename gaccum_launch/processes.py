@@ -13,8 +13,9 @@ that lost its connection to it) with its traceback; bounded time; and no process
 from __future__ import annotations
 
 import contextlib
-import gc
+import ctypes
 import multiprocessing.connection
+import numbers
 import os
 import signal
 import tempfile
@@ -25,11 +26,9 @@ import warnings
 from pathlib import Path
 
 import torch
-from torch.multiprocessing import _prctl_pr_set_pdeathsig, start_processes  # torch's prctl call: a no-op off Linux
+from torch.multiprocessing import start_processes
 
-from ._checks import check_choice, check_float, check_int
-from ._fork_imports import import_before_fork, note_rank_imports
-from .launch_failures import error_text, failure_message
+from .failures import error_text, failure_message
 
 #: Seconds a launch may run before its processes are killed (``launch(..., timeout=None)``: no limit).
 DEFAULT_TIMEOUT = 300.0
@@ -45,6 +44,23 @@ class LaunchError(RuntimeError):
     """A launched process failed; the message names the rank and includes its traceback."""
 
 
+def check_num_processes(num_processes) -> int:
+    """``num_processes`` if it is an int of at least 1; a clear error otherwise (True is not 1 process)."""
+    if isinstance(num_processes, bool) or not isinstance(num_processes, numbers.Integral):
+        raise TypeError(f"num_processes must be an int, got {type(num_processes).__name__} ({num_processes!r})")
+    if num_processes < 1:
+        raise ValueError(f"num_processes must be in [1, inf), got {num_processes}")
+    return int(num_processes)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG, through libc);
+    elsewhere nothing: the launcher's own cleanup stops the ranks there."""
+    PR_SET_PDEATHSIG = 1  # noqa: N806 - <linux/prctl.h>'s name
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+
+
 def gpu_count() -> int:
     """CUDA devices, counted through NVML without initialising CUDA, which a later fork would not survive."""
     return torch.cuda.device_count()
@@ -57,8 +73,9 @@ def cpu_process_limit() -> int:
 
 def choose_device(num_processes: int, device: str = "auto") -> str:
     """'gpu' or 'cpu' for a launch of ``num_processes``; raises a clear error when impossible."""
-    check_int("num_processes", num_processes, minimum=1)
-    check_choice("device", device, ("auto", "cpu", "gpu"))
+    check_num_processes(num_processes)
+    if device not in ("auto", "cpu", "gpu"):
+        raise ValueError(f"device must be one of auto, cpu, gpu; got {device!r}")
     gpus = gpu_count()
     if device == "gpu" or (device == "auto" and gpus >= 2 and num_processes <= gpus):
         if gpus == 0:
@@ -101,10 +118,9 @@ def _rank(rank: int, folder: str, world: int, backend: str, parent_pid: int, fun
                       MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     if backend == "gloo":
         os.environ.update(ACCELERATE_USE_CPU="1", GLOO_SOCKET_IFNAME="lo")  # without it each rank trains alone
-    gc.freeze()  # never collect the kernel's garbage here: a destructor may wait on a thread the fork dropped
     # Die with the launcher, even one killed outright. torch's start_processes asks Linux for SIGINT
     # on the parent's death, which code that shields itself from Ctrl-C ignores: ask for SIGKILL.
-    _prctl_pr_set_pdeathsig(signal.SIGKILL)
+    _die_with_parent()
     if os.getppid() != parent_pid:  # the launcher died before the request took effect
         os._exit(1)
     # OpenMP's thread pool does not survive a fork: a kernel that ran a multi-threaded op would
@@ -119,10 +135,7 @@ def _rank(rank: int, folder: str, world: int, backend: str, parent_pid: int, fun
             torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world)
         except RuntimeError as exc:  # before the function ran: the launcher may start again
             raise _RendezvousError(str(exc)) from exc
-        try:
-            result = function(*args)
-        finally:
-            note_rank_imports()
+        result = function(*args)
         from accelerate.state import PartialState
 
         if PartialState().num_processes != world:
@@ -175,8 +188,8 @@ def launch(function, args=(), *, num_processes: int = 2, device: str = "auto", q
     if not isinstance(args, tuple):
         raise TypeError(f"args must be a tuple of arguments for function, got {type(args).__name__}")
     kind = choose_device(num_processes, device)
-    if timeout is not None:
-        timeout = check_float("timeout", timeout, minimum=0.0, exclusive_minimum=True)
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0):
+        raise ValueError(f"timeout must be a number of seconds in (0, inf) or None, got {timeout!r}")
     if num_processes > 1:
         _check_this_process_can_fork(kind)
     if not _LAUNCH_LOCK.acquire(blocking=False):
@@ -210,7 +223,6 @@ def _check_this_process_can_fork(kind: str) -> None:
 
 
 def _launch_processes(function, args, world: int, backend: str, timeout) -> list:
-    import_before_fork(function)
     for attempt in range(1 + RENDEZVOUS_RETRIES):
         payloads, ended, unfinished = _run_ranks(function, args, world, backend, timeout)
         failed = [p for p in payloads.values() if not p["ok"]]

@@ -1,7 +1,7 @@
 """What a failed launch tells the notebook: the rank that failed first, its traceback, and a hint.
 
 A rank whose peer died fails too ("Connection closed by peer"); that error is never reported as
-the cause. Used by :mod:`gaccum_lib.launch`; kept apart so the launcher reads as the launch.
+the cause. Used by :mod:`gaccum_launch.processes`; kept apart so the launcher reads as the launch.
 """
 
 from __future__ import annotations

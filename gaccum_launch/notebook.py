@@ -16,7 +16,6 @@ only if the kernel's is; :func:`launch_from_notebook` sets both).
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 
@@ -25,9 +24,7 @@ from accelerate import debug_launcher, notebook_launcher
 from accelerate.utils import patch_environment
 from accelerate.utils.other import get_free_port
 
-from ._checks import check_int
-from ._fork_imports import import_before_fork, note_rank_imports
-from .launch import gpu_count
+from .processes import check_num_processes, gpu_count
 
 
 def in_colab_kernel() -> bool:
@@ -53,32 +50,17 @@ def launch_from_notebook(function, args=(), *, num_processes: int = 2) -> None:
     29500 would collide). ``debug_launcher`` runs CPU processes with one thread each (see above).
     Like both launchers it returns nothing: the function saves what the kernel should read.
     """
-    check_int("num_processes", num_processes, minimum=1)
-    import_before_fork(function)  # the ranks fork from this kernel: what it imported, they need not import again
-
-    kernel = os.getpid()
-
-    def rank(*rank_args):
-        if os.getpid() != kernel:  # one process runs here, in the kernel: nothing to freeze
-            # As in gaccum_lib.launch: a forked rank never collects the kernel's objects (a destructor may wait
-            # on a thread the fork dropped), and its full collections (Accelerate runs one at the start of every
-            # Trainer.train()) do not walk them (gaccum_lib._gc).
-            gc.freeze()
-        try:
-            return function(*rank_args)
-        finally:
-            note_rank_imports()
-
+    check_num_processes(num_processes)
     if notebook_launcher_forks():
         # The launcher checks on its processes every monitor_interval seconds, and returns at the
         # first check after they ended: 0.1 s (its default) added about 0.05 s to every launch.
-        notebook_launcher(rank, args, num_processes=num_processes, use_port=str(get_free_port()),
+        notebook_launcher(function, args, num_processes=num_processes, use_port=str(get_free_port()),
                           monitor_interval=0.02)
         return
     kernel_threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the forked ranks inherit it; OMP_NUM_THREADS keeps Accelerate from raising it
     try:
         with patch_environment(omp_num_threads=1):
-            debug_launcher(rank, args, num_processes=num_processes)
+            debug_launcher(function, args, num_processes=num_processes)
     finally:
         torch.set_num_threads(kernel_threads)
