@@ -399,7 +399,7 @@ def machine() -> dict:
 
     import torch
 
-    from gaccum_lib.launch import gpu_count
+    from gaccum_launch import gpu_count
 
     return {"python": platform.python_version(), "platform": f"{platform.system()} {platform.machine()}",
             "cpu_cores": os.cpu_count(), "gpus": gpu_count(),
