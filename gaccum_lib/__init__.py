@@ -1,19 +1,16 @@
-"""gaccum_lib: the library behind the gaccum lessons on gradient accumulation.
-
-The modules follow the reading order of the notebooks:
+"""gaccum_lib: gradient accumulation, right and wrong; the modules follow the lessons.
 
 * :mod:`~gaccum_lib.data` -- the toy problems (regression, variable-length sequences, corpora)
 * :mod:`~gaccum_lib.strategies` -- how each strategy scales a micro-batch's loss
 * :mod:`~gaccum_lib.sharding` -- which micro-batches each process gets (as Accelerate decides)
 * :mod:`~gaccum_lib.simulate` -- train with any strategy on N simulated processes
 * :mod:`~gaccum_lib.accelerate_runs` -- the same with real Accelerate in real processes
-  (started by :mod:`gaccum_launch`, the launching machinery, kept apart)
 * :mod:`~gaccum_lib.schedule`, :mod:`~gaccum_lib.memory` -- schedulers and memory under accumulation
 * :mod:`~gaccum_lib.lm`, :mod:`~gaccum_lib.real_stack` -- a character transformer; tiny GPT-2 / Llama
+* :mod:`~gaccum_lib.rl_losses`, :mod:`~gaccum_lib.unaccumulable` -- RL losses; losses it cannot reproduce
 
-Two sibling packages stand apart from it: :mod:`gaccum_check` checks *your* loop against the
-full batch, and :mod:`gaccum_course` runs the classroom (figures, explorers, exercises, the
-lesson map, saved benchmarks, the environment report).
+Apart from it: :mod:`gaccum_launch` starts real processes, :mod:`gaccum_check` checks *your*
+loop against the full batch, :mod:`gaccum_course` runs the classroom.
 """
 
 from gaccum_launch import LaunchError, launch, reset_accelerate_state  # re-exported: the lessons' launcher

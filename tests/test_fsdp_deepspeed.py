@@ -1,10 +1,9 @@
-"""Lesson 10's plumbing (gaccum_lib.sharded) and the facts about FSDP2 and DeepSpeed it rests on."""
+"""Lesson 10's plumbing (gaccum_course.fsdp_deepspeed) and the facts about FSDP2 and DeepSpeed it rests on."""
 
 import pytest
 import torch
 
-from gaccum_launch import launch
-from gaccum_lib.sharded import (
+from gaccum_course.fsdp_deepspeed import (
     LR,
     NUM_ROWS,
     count_collectives,
@@ -16,6 +15,7 @@ from gaccum_lib.sharded import (
     regression_mlp,
     regression_rows,
 )
+from gaccum_launch import launch
 
 
 def test_windows_are_dealt_as_accelerate_deals_micro_batches():

@@ -28,7 +28,7 @@ from collections import Counter
 import torch
 from torch import nn
 
-from ._checks import check_int
+from gaccum_lib._checks import check_int
 
 #: Rows of the regression (divisible by every window the lesson uses).
 NUM_ROWS = 64
@@ -127,7 +127,9 @@ def gradient_elements_held(model) -> dict[str, int]:
     """Gradient elements this process holds for an FSDP2 model: ``{"sharded": ..., "unsharded": ...}``.
 
     Reads FSDP2's own bookkeeping (``FSDPParam``: the sharded parameter's ``grad``, and the
-    unsharded gradient it keeps between backward passes while gradient sync is off).
+    unsharded gradient it keeps between backward passes while gradient sync is off). Private torch
+    API, on purpose: torch 2.13 (and 2.11) offer no public way to see that unsharded gradient, which
+    is the very memory the lesson measures; the sharded one alone would be ``param.grad``.
     """
     held = {"sharded": 0, "unsharded": 0}
     for module in model.modules():
