@@ -26,7 +26,7 @@ from gaccum_check.invariance_runs import (
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_causal_lm.py"
 DOCS = ROOT / "docs" / "check_accumulation.md"
-SCRIPT_FLAGS = "--grad_accum_steps {grad_accum_steps} --micro_batch_size {micro_batch_size} --no_check --cpu"
+SCRIPT_FLAGS = "--grad_accum_steps {grad_accum_steps} --micro_batch_size {micro_batch_size} --cpu"
 TOL = 1e-4
 
 # ----------------------------------------------------------------------------------------------
