@@ -17,7 +17,7 @@ MINIMUMS = {
     "torch": ("2.6", "every lesson", "accelerate 1.13's own floor"),
     "accelerate": ("1.13", "lessons 02-09", "lesson 06's pitfalls 12 and 14; get_free_port (04-09)"),
     "transformers": ("5.10.1", "lessons 05 and 08", "the Trainer's train_sampling_strategy and Llama's count"),
-    "ipywidgets": ("8.0", "the explorers in 01-03 and 09", "the widget API they use"),
+    "ipywidgets": ("7.7", "the explorers in 01-03 and 09", "the widget API they use, the same in 7.7 and 8"),
 }
 
 

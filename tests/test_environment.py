@@ -155,6 +155,16 @@ def test_readiness_names_each_missing_or_old_package_with_its_fix():
     assert readiness(_environment_with(versions={"accelerate": "1.13.0"}))[0] == []  # the floor itself is enough
 
 
+def test_readiness_takes_colabs_own_versions():
+    # Colab's published set (late 2026): lesson 00 must not refuse it, nor tell a learner to upgrade ipywidgets.
+    from gaccum_course.env import readiness
+
+    colab = {"torch": "2.11.0", "accelerate": "1.14.0", "transformers": "5.15.0", "ipywidgets": "7.7.1"}
+    assert readiness(_environment_with(versions=colab))[0] == []
+    old_widgets = readiness(_environment_with(versions={**colab, "ipywidgets": "7.6.5"}))[0]
+    assert len(old_widgets) == 1 and old_widgets[0].startswith("ipywidgets 7.6.5 is too old")
+
+
 def test_readiness_takes_a_cuda_torch_without_a_gpu_and_a_lone_lesson_as_notes():
     from gaccum_course.env import readiness
 
