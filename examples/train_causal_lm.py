@@ -111,8 +111,7 @@ def padded_loader(rows, micro_batch_size, num_processes):
     if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be an integer of at least 1, got {micro_batch_size!r}")
     if len(rows) == 0 or any(len(row) < 2 for row in rows):
-        raise ValueError("rows must hold at least one row, each of at least 2 tokens (a row of L tokens has L - 1 "
-                         "targets)")
+        raise ValueError("rows must hold at least one row, each of at least 2 tokens (L tokens give L - 1 targets)")
     rows = list(rows) + [None] * (-len(rows) % (micro_batch_size * num_processes))
     return torch.utils.data.DataLoader(rows, batch_size=micro_batch_size, collate_fn=collate_rows)
 
@@ -187,6 +186,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     accelerator = Accelerator(cpu=args.cpu, mixed_precision=args.mixed_precision,
                               gradient_accumulation_steps=args.grad_accum_steps)
+    accelerator.print(f"training on {accelerator.device}, {accelerator.num_processes} process(es)")
     model = tiny_llama(64)
     loader = padded_loader(demo_rows(args.num_rows, vocab_size=64), args.micro_batch_size, accelerator.num_processes)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
