@@ -15,8 +15,10 @@ the size of the weights:
 
 A distance passes when it is at most ``tol`` plus a floor for the rounding of the model's
 dtype (a few ``eps`` of the weights' or gradients' size). When the result matches a known
-pitfall the report names it (:mod:`.diagnoses`). The report is truthy only when the check
-passed, so ``assert check_accumulation(...)`` works in a test.
+pitfall the report names it (:mod:`.diagnoses`). Three verdicts: *passed*, *failed* (with a
+diagnosis) and *inconclusive*, where the check cannot judge: the model is not deterministic,
+or autocast's rounding allows 5 % or more, so a 5 % error could not be told from a pass. The
+report is truthy only when the check passed, so ``assert check_accumulation(...)`` works in a test.
 """
 
 from __future__ import annotations
@@ -50,17 +52,21 @@ def __getattr__(name: str):
 
 
 
+HEADLINE = {"passed": "passed", "failed": "FAILED", "inconclusive": "INCONCLUSIVE"}
+
+
 @dataclass(frozen=True, eq=False, repr=False)
 class AccumulationReport:
-    """What :func:`check_accumulation` found. Truthy only when it passed.
+    """What :func:`check_accumulation` found: ``verdict`` is "passed", "failed" or "inconclusive".
 
-    ``diagnosis`` lists what is wrong, each as ``"label: explanation"`` (the label says which
-    process counts, when not all); ``notes`` say what this check could not tell.
-    ``relative_distance`` is the largest relative distance found (gradient or weights);
-    ``update_ratio`` and ``details`` (a :class:`ProcessCheck` each) are keyed by process count.
+    Truthy only when it passed. ``diagnosis`` lists what is wrong, each as ``"label: explanation"``
+    (the label says which process counts, when not all); ``cannot_judge`` why there is no verdict;
+    ``notes`` what this check could not tell. ``relative_distance`` is the largest relative
+    distance found (gradient or weights); ``update_ratio`` and ``details`` (a
+    :class:`ProcessCheck` each) are keyed by process count.
     """
 
-    passed: bool
+    verdict: str
     tol: float
     relative_distance: float
     update_ratio: dict[int, float]
@@ -70,14 +76,21 @@ class AccumulationReport:
     # With a batch-dependent layer: how far the accumulated gradient (each micro-batch's, added up) is from
     # one forward over the whole window, relative; None when there is none or the window cannot be concatenated.
     full_batch_distance: float | None = None
+    cannot_judge: tuple[str, ...] = ()
 
     def __bool__(self) -> bool:
-        return self.passed
+        return self.verdict == "passed"
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == "passed"
 
     @property
     def labels(self) -> tuple[str, ...]:
-        """The short label of each diagnosis (before its first colon, without "(only with N processes)"), each once."""
-        return tuple(dict.fromkeys(re.sub(r" \(only with [^)]*\)$", "", d.split(":", 1)[0]) for d in self.diagnosis))
+        """The short label (before the first colon, without "(only with N processes)") of what decided the verdict:
+        each diagnosis when it failed, each reason when inconclusive; each once."""
+        said = self.cannot_judge if self.verdict == "inconclusive" else self.diagnosis
+        return tuple(dict.fromkeys(re.sub(r" \(only with [^)]*\)$", "", d.split(":", 1)[0]) for d in said))
 
     @property
     def failed_process_counts(self) -> tuple[int, ...]:
@@ -86,16 +99,19 @@ class AccumulationReport:
     def __repr__(self) -> str:
         # One line, diagnosis labels first: pytest shows about the first 120 characters of the
         # repr when a plain `assert report` fails.
-        head = "passed" if self.passed else "FAILED"
-        if self.diagnosis:  # the labels with the process counts they hold for
-            head += ": " + "; ".join(dict.fromkeys(d.split(":", 1)[0] for d in self.diagnosis))
+        head = HEADLINE[self.verdict]
+        said = self.cannot_judge if self.verdict == "inconclusive" else self.diagnosis
+        if said:  # the labels with the process counts they hold for
+            head += ": " + "; ".join(dict.fromkeys(d.split(":", 1)[0] for d in said))
         parts = [head] + [f"{processes_text(d.num_processes)} GA={d.grad_accum_steps}: gradient "
                           f"{d.gradient_distance:.1e}, weights {d.weight_distance:.1e}" for d in self.details.values()]
         return "AccumulationReport(" + " | ".join(parts + [f"tol {self.tol:g}"]) + ")"
 
     def __str__(self) -> str:
-        lines = [f"check_accumulation {'passed' if self.passed else 'FAILED'} (relative tol {self.tol:g}, largest "
+        lines = [f"check_accumulation {HEADLINE[self.verdict]} (relative tol {self.tol:g}, largest "
                  f"relative distance {self.relative_distance:.3e})"]
+        if self.cannot_judge:  # first: it is why there is no verdict
+            lines += ["cannot judge:"] + [f"  - {d}" for d in self.cannot_judge]
         lines += [f"  {d.summary()}" for d in self.details.values()]
         if self.diagnosis:
             lines += ["diagnosis:"] + [f"  - {d}" for d in self.diagnosis]
@@ -121,7 +137,7 @@ def _batch_dependence(ref: Reference, runs, make_model, known, micro_batches, lo
 
 
 def _precision_note(outcomes) -> list[str]:
-    lowered = [o for o in outcomes if o.precision is not None and o.precision.floor < LOOSEST]
+    lowered = [o for o in outcomes if o.precision is not None and o.check.cannot_judge is None]
     if not lowered:
         return []
     measured = ", ".join(f"{o.check.gradient_distance:.1e} with {processes_text(o.num_processes)}" for o in lowered)
@@ -204,9 +220,9 @@ def check_accumulation(step, make_model, micro_batches, loss_fn, *, num_processe
         ref.step_second_windows([run.ranks.records[1][0].settings for run in runs])
         outcomes = [judge(run, ref, tol) for run in runs]
         problem = None if all(o.check.passed for o in outcomes) else nondeterminism(ref.model, micro_batches, loss_fn)
-        if problem is not None:
-            return AccumulationReport(passed=False, tol=tol, relative_distance=float("nan"), update_ratio={},
-                                      details={}, diagnosis=(problem,))
+        if problem is not None:  # nothing the step did can be judged
+            return AccumulationReport(verdict="inconclusive", tol=tol, relative_distance=float("nan"),
+                                      update_ratio={}, details={}, diagnosis=(), cannot_judge=(problem,))
         dependence, full_distance = _batch_dependence(ref, runs, make_model, known, micro_batches, loss_fn, outcomes)
     details = {o.num_processes: o.check for o in outcomes}
     diagnosis, ambiguity = diagnoses.diagnose(outcomes)
@@ -219,7 +235,27 @@ def check_accumulation(step, make_model, micro_batches, loss_fn, *, num_processe
                      "(rounding of the weights is that large next to the update); the verdict on the normalisation "
                      "rests on the gradient handed to optimizer.step()")
     distances = [x for d in details.values() for x in (d.gradient_distance, d.weight_distance)]
+    verdicts = {d.verdict for d in details.values()}
+    verdict = "failed" if "failed" in verdicts or dependence is not None else \
+        "inconclusive" if "inconclusive" in verdicts else "passed"
+    cannot_judge = _merged_reasons(details) if verdict == "inconclusive" else ()
+    if verdict == "failed":
+        notes += [d.cannot_judge for d in details.values() if d.cannot_judge]
     return AccumulationReport(
-        passed=all(d.passed for d in details.values()) and dependence is None, tol=tol,
-        relative_distance=float(np.nanmax(distances)), update_ratio={p: d.update_ratio for p, d in details.items()},
-        details=details, diagnosis=tuple(diagnosis), notes=tuple(notes), full_batch_distance=full_distance)
+        verdict=verdict, tol=tol, relative_distance=float(np.nanmax(distances)),
+        update_ratio={p: d.update_ratio for p, d in details.items()}, details=details, diagnosis=tuple(diagnosis),
+        notes=tuple(notes), full_batch_distance=full_distance, cannot_judge=cannot_judge)
+
+
+def _merged_reasons(details) -> tuple[str, ...]:
+    """Each reason for no verdict once (the first process count's text), with the counts it holds for when not all."""
+    found: dict[str, tuple[list, str]] = {}
+    for p, d in details.items():
+        if d.cannot_judge:
+            found.setdefault(d.cannot_judge.split(":", 1)[0], ([], d.cannot_judge))[0].append(p)
+    reasons = []
+    for label, (counts, text) in found.items():
+        where = "" if len(counts) == len(details) else \
+            f" (only with {', '.join(map(str, counts))} process{'' if counts == [1] else 'es'})"
+        reasons.append(label + where + text[len(label):])
+    return tuple(reasons)

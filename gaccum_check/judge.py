@@ -36,9 +36,14 @@ class ProcessCheck:
     diagnosis: tuple[str, ...]
     reference_weights: np.ndarray = field(repr=False)
     user_weights: np.ndarray = field(repr=False)
+    cannot_judge: str | None = None  # why there is no verdict (then passed is False, and nothing was found wrong)
+
+    @property
+    def verdict(self) -> str:
+        return "passed" if self.passed else "inconclusive" if self.cannot_judge else "failed"
 
     def summary(self) -> str:
-        status = "passed" if self.passed else "FAILED"
+        status = {"passed": "passed", "failed": "FAILED", "inconclusive": "INCONCLUSIVE"}[self.verdict]
         return (f"{processes_text(self.num_processes)} (GA={self.grad_accum_steps}): {status}  gradient off by "
                 f"{self.gradient_distance:.2e}, weights by {self.weight_distance:.2e} (relative; allowed "
                 f"{self.allowed:.1e})  gradient ratio {self.update_ratio:.4g}  cosine {self.cosine:.6f}  "
@@ -307,12 +312,8 @@ def judge(run: _Run, ref: Reference, tol: float) -> _Outcome:
 
     structural = _structural(run, ref, g, first_failed, grad_dist, grad_allowed, window_dist, allowed, spread)
     structural += _not_clipped(ref, g, grad_dist, grad_allowed)
-    if precision is not None and precision.floor >= LOOSEST:
-        structural.append(diagnoses.Finding(
-            "lower-precision rounding", f"{precision.describe()}: rounding alone could move the gradient by "
-                                        f"{precision.floor:.0%}",
-            "the check cannot tell a 5 % error from a pass at this precision; check the loop without autocast (the "
-            "normalisation does not depend on the precision)"))
+    # Where the rounding allowed is this large, a loop within it is not known to be right: no verdict.
+    too_coarse = precision is not None and grad_allowed >= LOOSEST
 
     matches = None
     if most_steps == 1 and finite:
@@ -332,6 +333,12 @@ def judge(run: _Run, ref: Reference, tol: float) -> _Outcome:
     weight_dist = float(window_dist[0] if first_failed else window_dist.max())
     passed = (not first_failed and most_steps == 1 and spread <= allowed[0] and weight_dist <= max(allowed)
               and grad_dist <= grad_allowed and not structural)
+    cannot_judge = None
+    if passed and too_coarse:
+        passed, cannot_judge = False, (
+            f"lower-precision rounding: {precision.describe()}: rounding alone could move the gradient by "
+            f"{grad_allowed:.0%} (measured {grad_dist:.1e}); the check cannot tell a 5 % error from a pass at this "
+            "precision; check the loop without autocast (the normalisation does not depend on the precision)")
     findings = structural + clip + local
     check = ProcessCheck(
         num_processes=p, grad_accum_steps=ga, passed=passed, gradient_distance=grad_dist,
@@ -339,7 +346,7 @@ def judge(run: _Run, ref: Reference, tol: float) -> _Outcome:
         optimizer_steps=most_steps, rank_spread=spread,
         matches=tuple("+".join(m) for m in diagnoses.simplest(matches)) if judged_failed and matches else (),
         diagnosis=tuple(f.text for f in findings), reference_weights=target[0].copy(),
-        user_weights=run.ranks.weights[0, 0].copy())
+        user_weights=run.ranks.weights[0, 0].copy(), cannot_judge=cannot_judge)
     before_clip_seen = before is not None or not first.edited
     return _Outcome(p, ga, first_failed, judged_failed, structural, clip, local, matches, precision, before_clip_seen,
                     check)
