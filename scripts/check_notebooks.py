@@ -5,15 +5,20 @@
 
 Policy (why): outputs are produced by `make test` / `make html`, never committed, so diffs
 stay readable and nothing stale is shown as if it were current. Every lesson opens with what
-you will learn, prerequisites and run time, ends with a summary and exercises, starts with a
+you will learn, prerequisites and time, ends with a summary and exercises, starts with a
 cell that installs what a hosted kernel lacks (scripts/install_cell.py), keeps code cells to
-25 lines (the take-home function aside), and asserts what its prose claims.
+25 lines (the take-home function aside), and asserts what its prose claims. A lesson is one
+topic: at most 1,500 words of prose. What a learner reads is the claim, not the plumbing: no
+source line numbers of other libraries (they change with every release), no reading of library
+source, and no exact float pinned in a visible assert (``cmp(...)`` with a tolerance reads as
+the claim; exact pins live in the tests of the executed notebooks).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -21,7 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from install_cell import INSTALL_CELL, INSTALL_CELL_METADATA  # noqa: E402 -- beside this script, not a package
 
 KEPT_METADATA = ("kernelspec", "language_info", "execution")
-OPENING = ("What you will learn", "Prerequisites", "Run time")
+OPENING = ("What you will learn", "Prerequisites", "Time")
+MAX_PROSE_WORDS = 1500
+# "line 3413", "lines 1134-1136": a pinned release's source lines, stale at the next release.
+SOURCE_LINE = re.compile(r"\blines? \d+")
+READS_SOURCE = re.compile(r"\binspect\.getsource|\binspect\.getsourcelines|__code__")
+# An assert that pins a measured float: `round(x, 3) == 0.883`, `x == [0.621, 0.379]` (a whole number
+# written as a float, `== 0.0` or `== 1.0`, is an exact fact, not a rounding).
+EXACT_FLOAT = re.compile(r"^\s*assert\b.*(==\s*\[?\s*-?\d*\.\d*[1-9]|\d*\.\d*[1-9]\d*\s*\]?\s*==)", re.M)
 CLOSING = ("Summary", "Exercises")
 # A lesson cell a learner can read at a glance; only the take-home function (tagged) is longer,
 # because it is meant to be copied whole into a training script.
@@ -67,6 +79,21 @@ def problems_of(path: Path) -> list[str]:
     for heading in CLOSING:
         if not any(f"## {heading}" in m for m in markdown):
             found.append(f"missing a '## {heading}' section")
+    words = sum(len(m.split()) for m in markdown)
+    if words > MAX_PROSE_WORDS:
+        found.append(f"{words} words of prose (at most {MAX_PROSE_WORDS}): one topic a lesson; split it or cut")
+    for i, cell in enumerate(cells):
+        text = "".join(cell.get("source", ""))
+        if SOURCE_LINE.search(text):
+            found.append(f"cell {i} cites a source line number ({SOURCE_LINE.search(text).group(0)}): name the "
+                         "function instead")
+        if cell.get("cell_type") != "code" or cell.get("metadata", {}).get("jupyter", {}).get("source_hidden"):
+            continue
+        if READS_SOURCE.search(text):
+            found.append(f"cell {i} reads library source: pin such facts in a test of the executed notebook")
+        if EXACT_FLOAT.search(text):
+            found.append(f"cell {i} pins an exact float in an assert ({EXACT_FLOAT.search(text).group(0).strip()}): "
+                         "assert the claim with cmp(..., tol) and pin the number in tests/test_executed_notebooks.py")
     return found
 
 

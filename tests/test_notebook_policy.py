@@ -65,6 +65,34 @@ def test_checker_flags_a_code_cell_over_25_lines_unless_it_is_the_take_home_func
     assert "short.ipynb: cell" not in out and "take_home.ipynb: cell" not in out
 
 
+def test_checker_flags_long_prose_source_line_numbers_source_reading_and_pinned_floats(tmp_path):
+    def notebook(markdown, code, hidden=False):
+        metadata = {"jupyter": {"source_hidden": True}} if hidden else {}
+        return {"nbformat": 4, "nbformat_minor": 5, "metadata": {"kernelspec": {"name": "python3"}},
+                "cells": [{"cell_type": "markdown", "metadata": {}, "source": [markdown]},
+                          {"cell_type": "code", "metadata": metadata, "source": [code], "outputs": [],
+                           "execution_count": None}]}
+
+    cases = {
+        "long": notebook("word " * 1501, "x = 1"),
+        "short": notebook("word " * 1500, "x = 1"),
+        "cites": notebook("see `engine.py`, line 3413", "x = 1"),
+        "reads": notebook("x", "import inspect\nsource = inspect.getsource(f)"),
+        "pins": notebook("x", "assert round(d, 3) == 0.883"),
+        "pins_list": notebook("x", "assert [round(s, 3) for s in scales] == [0.621, 0.379]"),
+        "claims": notebook("x", 'cmp("real vs full batch", a, b, tol=1e-6)\nassert spread == 0.0 and n == 64'),
+        "hidden": notebook("x", "assert round(d, 3) == 0.883", hidden=True),
+    }
+    for name, nb in cases.items():
+        (tmp_path / f"{name}.ipynb").write_text(json.dumps(nb))
+    out = subprocess.run([*CHECKER, str(tmp_path)], capture_output=True, text=True).stdout
+    assert "long.ipynb: 1501 words of prose (at most 1500)" in out and "short.ipynb: 1500 words" not in out
+    assert "cites.ipynb: cell 0 cites a source line number (line 3413)" in out
+    assert "reads.ipynb: cell 1 reads library source" in out
+    assert "pins.ipynb: cell 1 pins an exact float" in out and "pins_list.ipynb: cell 1 pins an exact float" in out
+    assert "claims.ipynb: cell 1 pins" not in out and "hidden.ipynb: cell 1 pins" not in out
+
+
 def test_the_lesson_map_matches_the_notebooks_on_disk():
     on_disk = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
     assert [lesson.notebook for lesson in LESSONS] == on_disk
