@@ -18,6 +18,11 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.gaccum-installed
 TORCH_VERSION := 2.13.0
 TORCH_VARIANT ?= cpu
+# With the CPU build of torch, DeepSpeed (an optional extra that make installs) can only use the CPU: say so
+# up front, or every process that imports it (Accelerate's unwrap_model does) warns that it found no GPU.
+ifeq ($(TORCH_VARIANT),cpu)
+export DS_ACCELERATOR ?= cpu
+endif
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/$(TORCH_VARIANT)
 LAB_PORT ?= 8888
 # Unit tests, notebooks (also `make colab`, and `make html`'s runs) and the browser run NB_WORKERS at a time;

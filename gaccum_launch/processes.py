@@ -118,6 +118,9 @@ def _rank(rank: int, folder: str, world: int, backend: str, parent_pid: int, fun
                       MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     if backend == "gloo":
         os.environ.update(ACCELERATE_USE_CPU="1", GLOO_SOCKET_IFNAME="lo")  # without it each rank trains alone
+        # A CPU rank that imports DeepSpeed (Accelerate's unwrap_model does, where it is installed) gets its CPU
+        # back end, as the rank runs on the CPU, instead of a warning that it found no GPU.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     # Die with the launcher, even one killed outright. torch's start_processes asks Linux for SIGINT
     # on the parent's death, which code that shields itself from Ctrl-C ignores: ask for SIGKILL.
     _die_with_parent()

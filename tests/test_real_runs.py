@@ -85,6 +85,22 @@ def test_launch_returns_each_ranks_result_from_distinct_processes():
     assert len({r[2] for r in results} | {os.getpid()}) == 3  # two children, neither is us
 
 
+def _deepspeed_back_end():
+    from accelerate import PartialState
+
+    PartialState(cpu=True)  # joins the launch's process group
+    return os.environ.get("DS_ACCELERATOR")
+
+
+def test_cpu_ranks_give_deepspeed_the_cpu_back_end_unless_told_otherwise(monkeypatch):
+    # Accelerate's unwrap_model imports DeepSpeed where it is installed: on a CPU rank it must not look for a GPU.
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    assert launch(_deepspeed_back_end, num_processes=2, quiet=True) == ["cpu", "cpu"]
+    monkeypatch.setenv("DS_ACCELERATOR", "mps")  # a choice of the caller's stays
+    assert launch(_deepspeed_back_end, num_processes=2, quiet=True) == ["mps", "mps"]
+    assert os.environ["DS_ACCELERATOR"] == "mps"
+
+
 def test_launch_after_an_accelerator_exists_in_this_process(capsys):
     from accelerate import Accelerator
 
