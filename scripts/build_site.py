@@ -17,7 +17,7 @@ How:
    legend (recorded in the kernel while the lesson runs); an explorer's from its title, caption
    and settings; anything else names the lesson and section it sits in.
 
-The index lists the lessons of gaccum_course.lessons.LESSONS in order (title, aim, run time), then
+The index lists the lessons of gaccum_course.lessons.LESSONS in order (title, aim, a learner's time), then
 any notebook the map does not list yet. `make html` runs this, then tests/test_site.py on it.
 """
 
@@ -58,7 +58,7 @@ class Page:
     notebook: str       # file name, e.g. 01_why_accumulate.ipynb
     title: str
     aim: str
-    run_time: str
+    time: str
     in_map: bool        # listed in gaccum_course.lessons.LESSONS
 
     @property
@@ -92,7 +92,7 @@ def pages_for(folder: Path) -> list[Page]:
     missing = [lesson.notebook for lesson in lessons if lesson.notebook not in on_disk]
     if missing:
         raise SiteError(f"the lesson map lists {missing}, not found in {folder}")
-    pages = [Page(x.notebook, x.title, x.aim, x.run_time, True) for x in lessons]
+    pages = [Page(x.notebook, x.title, x.aim, x.time_text, True) for x in lessons]
     listed = {x.notebook for x in lessons}
     pages += [Page(name, _first_heading(folder / name), "", "", False) for name in on_disk if name not in listed]
     return pages
@@ -445,7 +445,7 @@ def render_index(pages: list[Page]) -> str:
         number = re.match(r"\d+", page.notebook)
         number = number.group(0) if number else str(position)
         rows.append(f'<tr><td>{number}</td><td><a href="{page.html_name}">{html.escape(page.title)}</a></td>'
-                    f"<td>{html.escape(page.aim)}</td><td>{html.escape(page.run_time)}</td></tr>")
+                    f"<td>{html.escape(page.aim)}</td><td>{html.escape(page.time)}</td></tr>")
     extras = [p for p in pages if not p.in_map]
     more = ""
     if extras:
@@ -476,7 +476,7 @@ notebooks yourself: <code>make lab</code>.</p>
 <h2>The lessons, in reading order</h2>
 <table class="gaccum-lessons">
 <thead><tr><th scope="col">#</th><th scope="col">lesson</th><th scope="col">you will learn</th>
-<th scope="col">run time</th></tr></thead>
+<th scope="col">time</th></tr></thead>
 <tbody>
 {chr(10).join(rows)}
 </tbody>

@@ -96,7 +96,17 @@ def test_checker_flags_long_prose_source_line_numbers_source_reading_and_pinned_
 def test_the_lesson_map_matches_the_notebooks_on_disk():
     on_disk = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
     assert [lesson.notebook for lesson in LESSONS] == on_disk
-    assert lesson_table().count("\n") == len(LESSONS) + 1
+    table = lesson_table()
+    assert all(f"| `{lesson.notebook}` | {lesson.title} |" in table for lesson in LESSONS)
+
+
+def test_the_core_path_fits_a_3_hour_workshop_and_reads_first():
+    from gaccum_course.lessons import PARTS
+
+    assert {lesson.part for lesson in LESSONS} <= set(PARTS)
+    core = [lesson for lesson in LESSONS if lesson.part == "core"]
+    assert sum(lesson.learner_minutes[1] for lesson in core) <= 180  # the readers' times, exercises included
+    assert LESSONS[:len(core)] == tuple(core)  # the numbering shows the path: the core lessons come first
 
 
 
@@ -110,19 +120,3 @@ def test_make_notebooks_queues_the_lessons_longest_first_and_a_scratch_notebook_
     printed = subprocess.run([sys.executable, str(ROOT / "scripts" / "longest_first.py"), *paths],
                              capture_output=True, text=True, check=True).stdout.split()
     assert printed == longest_first(paths)
-
-
-
-
-
-def test_the_learners_time_counts_prose_visible_code_and_exercises(tmp_path):
-    from gaccum_course.lessons import Lesson, learner_time
-
-    cells = [{"cell_type": "markdown", "source": ["word " * 400 + "\n## Exercises\n1. one\n2. two\n"]},
-             {"cell_type": "code", "metadata": {}, "source": ["x = 1\n" * 30]},
-             {"cell_type": "code", "metadata": {"jupyter": {"source_hidden": True}}, "source": ["y = 2\n" * 99]}]
-    (tmp_path / "99_x.ipynb").write_text(json.dumps({"cells": cells}))
-    time = learner_time(Lesson("99_x.ipynb", "x", "x", "about 30 s", (0, 0)), tmp_path)
-    assert (time.exercises, time.code) == (2, 3.0)  # the collapsed cell is not read
-    assert abs(time.reading - 406 / 200) < 1e-9
-    assert (time.without_exercises, time.total) == (10, 20)  # 2.03 + 3 + 0.5 min, rounded up; + 10 of exercises

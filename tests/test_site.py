@@ -85,7 +85,7 @@ def test_index_lists_every_lesson_in_order(site):
     folder, _ = site
     rows = _soup(folder / "index.html").select("table.gaccum-lessons tbody tr")
     shown = [(row.a["href"], *(" ".join(td.get_text().split()) for td in row.find_all("td")[1:])) for row in rows]
-    expected = [(x.notebook.replace(".ipynb", ".html"), x.title, x.aim, x.run_time) for x in LESSONS]
+    expected = [(x.notebook.replace(".ipynb", ".html"), x.title, x.aim, x.time_text) for x in LESSONS]
     assert shown == expected
 
 
