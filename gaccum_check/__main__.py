@@ -2,8 +2,9 @@
 
 Runs the script at GA k on each process count (``torchrun`` for more than one) and as its
 full batch, compares the weights after every update and the logged losses, prints the report
-(:func:`gaccum_check.invariance_runs.check_script_invariance`). Exit status: 0 passed, 1 failed,
-2 bad arguments, 3 a run could not be made (the script failed; its output is printed).
+(:func:`gaccum_check.invariance_runs.check_script_invariance`). Exit status, as the report's
+headline says: 0 passed, 1 failed, 3 inconclusive (other rows than the full batch's, a run that
+could not be made, not deterministic, ...); 2 bad arguments.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+EXIT_STATUS = {"passed": 0, "failed": 1, "inconclusive": 3}  # 2: bad arguments (argparse's own)
 EXAMPLE = ("python -m gaccum_check invariance --grad-accum-steps 4 --micro-batch-size 2 --processes 1 2 -- "
            "python train.py --grad_accum_steps {grad_accum_steps} --micro_batch_size {micro_batch_size}")
 
@@ -29,8 +31,8 @@ def parse_args(argv):
     check.add_argument("--processes", type=int, nargs="+", default=[1, 2], help="process counts to check (default 1 2)")
     check.add_argument("--tol", type=float, default=1e-4, help="relative tolerance, at most 0.01 (default 1e-4)")
     check.add_argument("--loss-pattern", default=None,
-                       help="regular expression with one group that finds a logged loss in the script's output "
-                            "(default: the first number after the word 'loss' on a line)")
+                       help="regular expression with one group that finds a logged loss on a line of the script's "
+                            "output, stdout and stderr (default: the first number after the word 'loss' on a line)")
     check.add_argument("--no-losses", action="store_true", help="compare the weights only")
     check.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take (default 600)")
     check.add_argument("script", nargs=argparse.REMAINDER, help="after --: how you run the script on one process")
@@ -57,9 +59,9 @@ def main(argv=None) -> int:
         return 2
     except InvarianceCheckError as exc:
         print(f"python -m gaccum_check invariance: {exc}", file=sys.stderr)
-        return 3
+        return EXIT_STATUS["inconclusive"]
     print(report)
-    return 0 if report else 1
+    return EXIT_STATUS[report.verdict]
 
 
 if __name__ == "__main__":

@@ -20,22 +20,22 @@ from pathlib import Path
 
 import torch
 
-from gaccum_launch import gpu_count, launch
+from gaccum_launch import LaunchError, gpu_count, launch
 from gaccum_lib._checks import check_float, check_int
 
-from .invariance import InvarianceCheckError, InvarianceReport, Run, judge
+from .invariance import InvarianceCheckError, InvarianceReport, Run, describe, judge
 from .ranks import processes_text
 from .recording import record_call
 
 #: Placeholders a script's arguments must hold: the check fills in each run's settings.
 PLACEHOLDERS = ("{grad_accum_steps}", "{micro_batch_size}")
-#: The first number after the word "loss" on a line of the script's output (e.g. "update 3: loss 2.3456").
-DEFAULT_LOSS_PATTERN = r"\bloss\b\D*?([-+]?\d+\.\d+(?:[eE][-+]?\d+)?)"
+#: The first number after the word "loss" on a line of the script's output (e.g. "update 3: loss 2.3456"), or nan
+#: or inf; one per line at most, never past the line's end. It needs a decimal point: "loss at step 3" is no loss.
+DEFAULT_LOSS_PATTERN = r"\b[Ll]oss\b[^\d\n]*?((?i:\bnan\b|[-+]?\binf\b)|[-+]?\d+\.\d+(?:[eE][-+]?\d+)?)"
 # Variables a launcher sets; a one-process run clears them, so that it really is one plain process.
 _LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                      "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-
-
+TRACEBACK_LINES = 30  # of a failed rank's own exception, in the report
 
 
 def _check_settings(grad_accum_steps, micro_batch_size, num_processes, tol) -> tuple:
@@ -59,9 +59,10 @@ def _say(progress, text):
 def _function_run(train, k, mbs, p, timeout) -> Run:
     began = time.perf_counter()
     results = launch(record_call, (train, k, mbs), num_processes=p, timeout=timeout)
-    ranks = [{key: r[key] for key in ("before", "after", "gradients", "concerns")} for r in results]
+    ranks = [{key: r[key] for key in ("before", "after", "gradients", "concerns", "feeds", "pending")} for r in results]
     if len(ranks[0]["after"]) == 0:
-        raise InvarianceCheckError(f"train({k}, {mbs}) on {processes_text(p)} never called optimizer.step()")
+        raise InvarianceCheckError(f"no update recorded: train({k}, {mbs}) on {processes_text(p)} never called "
+                                   "optimizer.step()")
     losses = results[0]["result"]
     losses = None if losses is None else [float(x) for x in losses]
     return Run(p, k, mbs, ranks, losses, time.perf_counter() - began)
@@ -86,20 +87,50 @@ def check_invariance(train, *, grad_accum_steps: int = 4, micro_batch_size: int 
                   counts, tol, progress)
 
 
+def _indented(text: str) -> str:
+    return "\n    ".join(text.rstrip().splitlines())
+
+
 def _check(run_at, k, mbs, counts, tol, progress) -> InvarianceReport:
-    """Every process count at GA k, each against the full batch of its own rows (one run per distinct window)."""
-    by_window: dict[int, Run] = {}
-    references, runs = {}, {}
+    """Every process count at GA k, each against the full batch of its own rows (one run per distinct window).
+
+    A run that cannot be made (the code raised, ran too long, never stepped) leaves its process count
+    without a comparison, said in the report; the others are still compared. Every run prints a line.
+    """
+
+    def attempt(what, k_, mbs_, p_):
+        began = time.perf_counter()
+        try:
+            run = run_at(k_, mbs_, p_)
+        except (InvarianceCheckError, LaunchError) as exc:
+            _say(progress, f"{what} ({describe(p_, k_, mbs_)}): could not be made, {time.perf_counter() - began:.1f} s")
+            return str(exc)
+        _say(progress, f"{what} ({run.describe()}): {run.updates} updates, {run.seconds:.1f} s")
+        return run
+
+    by_window: dict = {}
+    references, runs, failed = {}, {}, {}
     for p in counts:
         window = k * p * mbs
         if window not in by_window:
-            by_window[window] = run_at(1, window, 1)
-            _say(progress, f"full batch ({by_window[window].describe()}): {by_window[window].updates} updates, "
-                           f"{by_window[window].seconds:.1f} s")
-        references[p] = by_window[window]
-        runs[p] = run_at(k, mbs, p)
-        _say(progress, f"{runs[p].describe()}: {runs[p].updates} updates, {runs[p].seconds:.1f} s")
-    return judge(runs, references, tol, rerun=lambda p: run_at(1, k * p * mbs, 1))
+            by_window[window] = attempt("full batch", 1, window, 1)
+        if isinstance(by_window[window], str):
+            failed[p] = f"run failed ({processes_text(p)}): its full batch could not be made: " \
+                        f"{_indented(by_window[window])}"
+            continue
+        ran = attempt("run", k, mbs, p)
+        if isinstance(ran, str):
+            failed[p] = f"run failed ({processes_text(p)}): {_indented(ran)}"
+            continue
+        references[p], runs[p] = by_window[window], ran
+
+    def rerun(p):
+        again = attempt("full batch again, to check that training is deterministic", 1, k * p * mbs, 1)
+        if isinstance(again, str):
+            raise InvarianceCheckError(again)
+        return again
+
+    return judge(runs, references, tol, rerun=rerun, failed_runs=failed)
 
 
 def _script_parts(command) -> tuple[str, list[str]]:
@@ -123,6 +154,7 @@ def _script_run(script, arguments, k, mbs, p, loss_pattern, timeout) -> Run:
     filled = [a.replace("{grad_accum_steps}", str(k)).replace("{micro_batch_size}", str(mbs)) for a in arguments]
     env = {key: value for key, value in os.environ.items() if key not in _LAUNCH_VARIABLES}
     env.setdefault("OMP_NUM_THREADS", "1")  # every run alike, and no oversubscribed cores
+    env["PYTHONUNBUFFERED"] = "1"  # stdout and stderr in one pipe, in the order the script wrote them
     if gpu_count() < p:
         env["ACCELERATE_USE_CPU"] = "1"  # without it, torchrun's CPU processes would each train alone
     recorder = ["-m", "gaccum_check.recording"]
@@ -130,29 +162,57 @@ def _script_run(script, arguments, k, mbs, p, loss_pattern, timeout) -> Run:
     with tempfile.TemporaryDirectory(prefix="gaccum-invariance-") as folder:
         if p == 1:
             command = [sys.executable, *recorder, folder, script, *filled]
-        else:  # torchrun; only rank 0's output, whose losses are read
+        else:  # torchrun; only rank 0's output, whose losses are read (each rank's exception is in its file)
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={p}",
                        "--local-ranks-filter=0", *recorder, folder, script, *filled]
         try:
-            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+            done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  timeout=timeout)
         except subprocess.TimeoutExpired as exc:
             raise InvarianceCheckError(f"{' '.join(command)} ran past {timeout:.0f} s and was stopped") from exc
-        if done.returncode != 0:
-            tail = "\n".join((done.stdout + done.stderr).splitlines()[-25:])
-            raise InvarianceCheckError(f"the script failed (exit status {done.returncode}) on {processes_text(p)} at "
-                                       f"GA {k}, micro-batch {mbs}:\n  {' '.join(command)}\n{tail}")
-        ranks = [torch.load(Path(folder) / f"rank{r}.pt") for r in range(p)]
+        files = {r: Path(folder) / f"rank{r}.pt" for r in range(p)}
+        saved = {r: torch.load(path) for r, path in files.items() if path.is_file()}
+        if done.returncode != 0 or any(s.get("error") for s in saved.values()):
+            raise InvarianceCheckError(_failure_text(done, saved, p, k, mbs))
+    if len(saved) < p:
+        raise InvarianceCheckError(f"ranks {sorted(set(range(p)) - set(saved))} of {p} recorded nothing")
+    ranks = [saved[r] for r in range(p)]
     if len(ranks[0]["after"]) == 0:
-        raise InvarianceCheckError(f"the script never called optimizer.step() on {processes_text(p)} at GA {k}")
-    printed = re.findall(loss_pattern, done.stdout) if loss_pattern else []
+        raise InvarianceCheckError(f"no update recorded: the script never called optimizer.step() on "
+                                   f"{processes_text(p)} at GA {k}")
+    printed = logged_losses(done.stdout, loss_pattern) if loss_pattern else []
     return Run(p, k, mbs, ranks, [float(x) for x in printed] or None, time.perf_counter() - began,
-               loss_resolution=printed_resolution(printed))
+               loss_resolution=printed_resolution(printed),
+               losses_from=None if loss_pattern is None else "the script's output (stdout and stderr)")
+
+
+def _failure_text(done, saved: dict, p: int, k: int, mbs: int) -> str:
+    """The script's own exception, from the rank that raised first; else the end of what it printed."""
+    errors = sorted((s["error"]["time"], r, s["error"]["text"]) for r, s in saved.items() if s.get("error"))
+    where = f"on {processes_text(p)} at GA {k}, micro-batch {mbs}"
+    if errors:
+        _, rank, text = errors[0]
+        lines = text.rstrip().splitlines()
+        shown = "\n".join((["..."] if len(lines) > TRACEBACK_LINES else []) + lines[-TRACEBACK_LINES:])
+        others = [r for _, r, _ in errors[1:]]
+        also = f" (then rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} too)" if others else ""
+        on_rank = f" on rank {rank}{also}" if p > 1 else ""
+        return f"the script raised{on_rank} {where}:\n{shown}"
+    tail = "\n".join(done.stdout.splitlines()[-25:])
+    return f"the script failed (exit status {done.returncode}) {where}:\n{tail}"
+
+
+def logged_losses(output: str, pattern: str) -> list[str]:
+    """The loss each line of ``output`` logs: the pattern's group at its first match on the line (none past it)."""
+    found = (re.search(pattern, line) for line in output.splitlines())
+    return [m.group(1) for m in found if m is not None]
 
 
 def printed_resolution(printed: list[str]) -> float:
     """What printed numbers are known to: two printings of one value with d decimals may differ by 1e-d."""
-    decimals = [len(re.split("[eE]", x)[0].partition(".")[2]) for x in printed]
-    exponents = [int(re.split("[eE]", x)[1]) if re.search("[eE]", x) else 0 for x in printed]
+    numbers = [x for x in printed if re.fullmatch(r"[-+]?\d+\.?\d*(?:[eE][-+]?\d+)?", x)]
+    decimals = [len(re.split("[eE]", x)[0].partition(".")[2]) for x in numbers]
+    exponents = [int(re.split("[eE]", x)[1]) if re.search("[eE]", x) else 0 for x in numbers]
     return max((10.0 ** (e - d) for d, e in zip(decimals, exponents, strict=True)), default=0.0)
 
 
@@ -165,9 +225,11 @@ def check_script_invariance(command, *, grad_accum_steps: int = 4, micro_batch_s
     and ``{micro_batch_size}`` where it takes those settings, e.g.
     ``"python train.py --grad_accum_steps {grad_accum_steps} --micro_batch_size {micro_batch_size}"``.
     Several processes are started with ``torchrun --nproc_per_node P`` (one GPU each where there
-    are enough, else CPU processes over gloo). Logged losses are read from the output of rank 0:
-    the first number after the word "loss" on a line (``loss_pattern``, a regular expression
-    with one group; ``None`` compares weights only).
+    are enough, else CPU processes over gloo). Logged losses are read from what rank 0 prints,
+    stdout and stderr: on each line, the first match of ``loss_pattern`` (a regular expression
+    with one group; by default the first number after the word "loss"), never past the line's
+    end; they are compared when there is one per update. ``None`` compares weights only. A run
+    that fails is reported with the script's own exception, from the rank that raised first.
     """
     script, arguments = _script_parts(command)
     counts, tol = _check_settings(grad_accum_steps, micro_batch_size, num_processes, tol)
@@ -266,10 +328,13 @@ def check_trainer_invariance(make_trainer, *, grad_accum_steps: int = 4, per_dev
         began = time.perf_counter()
         results = launch(record_call, (_trainer_entry, make_trainer, k, mbs, p == 1 and k == 1),
                          num_processes=p, timeout=timeout)
-        ranks = [{key: r[key] for key in ("before", "after", "gradients", "concerns")} for r in results]
+        ranks = [{key: r[key] for key in ("before", "after", "gradients", "concerns", "feeds", "pending")}
+                 for r in results]
         if len(ranks[0]["after"]) == 0:
-            raise InvarianceCheckError(f"Trainer.train() made no update on {processes_text(p)} at GA {k}")
-        run = Run(p, k, mbs, ranks, results[0]["result"]["losses"] or None, time.perf_counter() - began)
+            raise InvarianceCheckError(f"no update recorded: Trainer.train() made no update on {processes_text(p)} "
+                                       f"at GA {k}")
+        run = Run(p, k, mbs, ranks, results[0]["result"]["losses"] or None, time.perf_counter() - began,
+                  losses_from="the Trainer's log history")
         extras[id(run)] = results[0]["result"]
         return run
 
@@ -284,5 +349,6 @@ def check_trainer_invariance(make_trainer, *, grad_accum_steps: int = 4, per_dev
                 found.append(text)
     if not found:
         return report
-    return InvarianceReport(passed=False, tol=tol, comparisons=report.comparisons,
-                            diagnosis=(*report.diagnosis, *found), notes=report.notes, runs=report.runs)
+    return InvarianceReport(verdict="failed", tol=tol, comparisons=report.comparisons,
+                            diagnosis=(*report.diagnosis, *found), notes=report.notes, runs=report.runs,
+                            cannot_judge=report.cannot_judge)

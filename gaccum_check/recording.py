@@ -4,13 +4,15 @@ torch calls a *global* optimizer hook around every ``optimizer.step()`` of every
 the process, Accelerate's and the Trainer's included (their wrappers call the inner
 optimizer's ``step`` only on a real update, so a skipped step records nothing). Before the
 step the hook copies the weights and the gradient the step is about to use (after DDP's
-averaging and after any clipping); after it, the weights. That is all
+averaging and after any clipping); after it, the weights. Global module hooks note which rows
+the model was fed before each update (:class:`~gaccum_check.rows.FeedRecorder`). That is all
 :mod:`gaccum_check.invariance` compares, so a training function, a script or ``Trainer.train()``
 is checked without a line of it changed.
 
 ``python -m gaccum_check.recording OUT_DIR script.py [args...]`` runs a script as
 ``python script.py args`` would, records, and leaves ``OUT_DIR/rank<RANK>.pt`` (torchrun's
-``RANK``, 0 without it) however the script ends.
+``RANK``, 0 without it) however the script ends: with the script's own exception and when it
+was raised, if it raised (under torchrun only the failing rank's traceback tells what went wrong).
 """
 
 from __future__ import annotations
@@ -19,11 +21,15 @@ import contextlib
 import os
 import runpy
 import sys
+import time
+import traceback
 from pathlib import Path
 
 import torch
-from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from .rows import FeedRecorder
 
 
 def _flat(tensors) -> torch.Tensor:
@@ -51,9 +57,11 @@ class UpdateRecorder:
     def __init__(self):
         self.before, self.after, self.gradients = [], [], []
         self.concerns: set[str] = set()
+        self.feeds = FeedRecorder()
         self._seen: set[int] = set()
 
     def _forward_pre(self, module, args):
+        self.feeds.forward_started()
         if id(module) not in self._seen:  # look at each module once: this runs on every forward
             self._seen.add(id(module))
             concern = layer_concern(module)
@@ -63,7 +71,11 @@ class UpdateRecorder:
     def _params(self, optimizer):
         return [p for group in optimizer.param_groups for p in group["params"]]
 
+    def _forward_post(self, module, args, kwargs, output):
+        self.feeds.forward_ended(module, args, kwargs)
+
     def _pre_step(self, optimizer, args, kwargs):
+        self.feeds.update_done()
         params = self._params(optimizer)
         self.before.append(_flat(params))
         self.gradients.append(_flat(p.grad if p.grad is not None else torch.zeros_like(p) for p in params))
@@ -74,7 +86,8 @@ class UpdateRecorder:
     @contextlib.contextmanager
     def recording(self):
         handles = [register_optimizer_step_pre_hook(self._pre_step), register_optimizer_step_post_hook(self._post_step),
-                   register_module_forward_pre_hook(self._forward_pre)]
+                   register_module_forward_pre_hook(self._forward_pre),
+                   register_module_forward_hook(self._forward_post, with_kwargs=True, always_call=True)]
         try:
             yield self
         finally:
@@ -88,7 +101,7 @@ class UpdateRecorder:
                                "parameters added while training): only one optimizer over fixed parameters is checked")
         stack = lambda rows: torch.stack(rows) if rows else torch.zeros(0, 0, dtype=torch.float64)  # noqa: E731
         return {"before": stack(self.before), "after": stack(self.after), "gradients": stack(self.gradients),
-                "concerns": sorted(self.concerns)}
+                "concerns": sorted(self.concerns), **self.feeds.result()}
 
 
 def record_call(function, *args):
@@ -99,12 +112,21 @@ def record_call(function, *args):
     return {"result": returned, **recorder.result()}
 
 
+def script_traceback(exc: BaseException) -> str:
+    """The exception as Python prints it, without the frames of this module and runpy above the script's."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    ours = [i for i, f in enumerate(frames) if f.filename == __file__ or f.filename.startswith("<frozen runpy")]
+    frames = frames[(ours[-1] + 1 if ours and ours == list(range(len(ours))) else 0):]
+    return "Traceback (most recent call last):\n" + "".join(traceback.format_list(frames)) + \
+        "".join(traceback.format_exception_only(exc))
+
+
 def run_script_recorded(out_dir: str, script: str, script_args: list[str]) -> int:
     """Run ``script`` as ``__main__`` with ``script_args`` and save this process's updates in ``out_dir``."""
     recorder = UpdateRecorder()
     sys.argv = [script, *script_args]
     sys.path.insert(0, str(Path(script).resolve().parent))  # as `python script.py` puts the script's folder first
-    status = 0
+    status, error = 0, None
     try:
         with recorder.recording():
             runpy.run_path(script, run_name="__main__")
@@ -112,9 +134,13 @@ def run_script_recorded(out_dir: str, script: str, script_args: list[str]) -> in
         status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if exc.code is not None and not isinstance(exc.code, int):
             print(exc.code, file=sys.stderr)
+            error = {"text": str(exc.code), "time": time.time()}
+    except BaseException as exc:
+        error = {"text": script_traceback(exc), "time": time.time()}
+        raise
     finally:
         path = Path(out_dir) / f"rank{os.environ.get('RANK', '0')}.pt"
-        torch.save(recorder.result(), path.with_suffix(".tmp"))
+        torch.save({**recorder.result(), "error": error}, path.with_suffix(".tmp"))
         path.with_suffix(".tmp").rename(path)
     return status
 

@@ -15,11 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from gaccum_check.invariance import InvarianceCheckError, Run, judge
+from gaccum_check.invariance import Run, judge
 from gaccum_check.invariance_runs import (
+    DEFAULT_LOSS_PATTERN,
     check_invariance,
     check_script_invariance,
     check_trainer_invariance,
+    logged_losses,
     printed_resolution,
 )
 
@@ -37,8 +39,28 @@ A = torch.tensor([[2.0, 0.3, 0.0], [0.3, 1.0, 0.2], [0.0, 0.2, 0.5]], dtype=torc
 B = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
 
 
+def feeds(updates, k, p, rows_of=lambda u: list(range(8 * u, 8 * u + 8)), boundaries=None):
+    """What each rank fed the model per update: update u's rows (8, by default rows 8u..8u+7) in k micro-batches
+    a rank, dealt as Accelerate deals them (micro-step j's rows, rank r's share); ``boundaries``: micro-batches
+    per update instead of k, the rows still coming in order."""
+    stream = [key for u in range(updates) for key in rows_of(u)]
+    sizes = boundaries or [k] * updates
+    per_micro = len(stream) // sum(sizes) if boundaries else None
+    ranks = [{"feeds": [], "pending": []} for _ in range(p)]
+    at = 0
+    for u, count in enumerate(sizes):
+        rows = stream[at:at + count * per_micro] if boundaries else rows_of(u)
+        at += len(rows)
+        n = count * p
+        chunks = [rows[i * len(rows) // n:(i + 1) * len(rows) // n] for i in range(n)]
+        for rank in range(p):
+            ranks[rank]["feeds"].append([(0, chunks[j * p + rank]) for j in range(count)])
+    return ranks
+
+
 def sgd_run(updates=6, *, k=4, p=1, lr=0.1, scale=lambda u: 1.0, twist=None, lrs=None, start=None, ranks=1,
-            rank_offset=0.0, losses=True):
+            rank_offset=0.0, losses=True, rows=None):
+    """A recorded run; ``rows`` as :func:`feeds` makes them (default: the same rows as the full batch's)."""
     w = torch.zeros(3, dtype=torch.float64) if start is None else start.clone()
     before, after, gradients, logged = [], [], [], []
     for u in range(updates):
@@ -51,8 +73,9 @@ def sgd_run(updates=6, *, k=4, p=1, lr=0.1, scale=lambda u: 1.0, twist=None, lrs
         w = w - (lr if lrs is None else lrs[u]) * g
         after.append(w.clone())
         logged.append(float(0.5 * (A @ before[-1] - B).square().sum()))
-    rank0 = {"before": torch.stack(before), "after": torch.stack(after), "gradients": torch.stack(gradients)}
-    others = [{**rank0, "after": rank0["after"] + rank_offset} for _ in range(ranks - 1)]
+    fed = rows if rows is not None else feeds(updates, k, ranks)
+    rank0 = {"before": torch.stack(before), "after": torch.stack(after), "gradients": torch.stack(gradients), **fed[0]}
+    others = [{**rank0, "after": rank0["after"] + rank_offset, **fed[r]} for r in range(1, ranks)]
     return Run(p, k, 2, [rank0, *others], logged if losses else None, 0.0)
 
 
@@ -133,9 +156,11 @@ def test_diverged_ranks_are_named():
     assert "ranks diverged" in report.labels, str(report)
 
 
-def test_runs_from_other_weights_or_a_nondeterministic_full_batch_are_not_valid():
-    other_start = judged(sgd_run(start=torch.full((3,), 0.1, dtype=torch.float64)))
-    assert not other_start and "start from different weights" in other_start.notes[0]
+def test_runs_from_other_weights_or_a_nondeterministic_full_batch_are_inconclusive_not_failed():
+    other_start = judged(sgd_run(start=torch.full((3,), 0.1, dtype=torch.float64), scale=lambda u: 0.25))
+    assert other_start.verdict == "inconclusive" and not other_start, str(other_start)
+    assert other_start.labels == ("different initial weights",) and other_start.diagnosis == ()
+    assert "start from different weights" in other_start.cannot_judge[0]
     wrong = sgd_run(scale=lambda u: 0.5)
     calls = []
 
@@ -144,9 +169,118 @@ def test_runs_from_other_weights_or_a_nondeterministic_full_batch_are_not_valid(
         return sgd_run(k=1, scale=lambda u: 1.01)
 
     report = judged(wrong, rerun=noisy_rerun)
-    assert calls == [1] and not report
-    assert any("not deterministic" in n for n in report.notes), str(report)
+    assert calls == [1] and not report and report.verdict == "inconclusive"
+    assert report.labels == ("not deterministic",) and report.diagnosis == (), str(report)
     assert judged(sgd_run(), rerun=noisy_rerun) and calls == [1]  # a passing run is never rerun
+
+    def shuffled_rerun(p):  # the same weights, other rows: an unseeded shuffle
+        return sgd_run(k=1, rows=feeds(6, 1, 1, rows_of=lambda u: list(range(100 + 8 * u, 108 + 8 * u))))
+
+    report = judged(wrong, rerun=shuffled_rerun)
+    assert report.verdict == "inconclusive" and "trained on other rows (from update 1)" in report.cannot_judge[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 40: the rows each update trained on, three verdicts, boundaries from what fed each update.
+# ----------------------------------------------------------------------------------------------
+
+
+def _shuffled(u):
+    """Update u's rows when the 48 rows of the 6 updates come in another order than the full batch's."""
+    return [int(x) for x in torch.randperm(48, generator=torch.Generator().manual_seed(7))[8 * u:8 * u + 8]]
+
+
+def _drawn(u):
+    """Update u's rows when each is drawn at random from 64, by a generator in another state than the full batch's."""
+    return [int(x) for x in torch.randperm(64, generator=torch.Generator().manual_seed(7))[8 * u:8 * u + 8]]
+
+
+TWIST = lambda u, g: g + torch.tensor([0.0, 0.3, 0.0], dtype=torch.float64)  # noqa: E731
+
+
+def test_other_rows_are_said_first_and_no_accumulation_bug_is_named():
+    # Before issue 40 this was "micro-batches weighted unequally", a confident wrong diagnosis.
+    run = sgd_run(twist=TWIST, rows=feeds(6, 4, 1, rows_of=_drawn))
+    report = judged(run)
+    assert report.verdict == "inconclusive" and not report and not report.passed, str(report)
+    assert report.diagnosis == () and report.labels == ("other rows (1 process)",)
+    lines = str(report).splitlines()
+    assert lines[0].startswith("invariance check INCONCLUSIVE (relative tol 0.0001)") and lines[1] == "cannot judge:"
+    assert lines[2].startswith("  - other rows (1 process): update 1 trained on 8 rows, ")
+    assert "of the full batch's 8 rows of update 1 not among them" in lines[2]
+    assert "Likely cause: " in lines[2] and "a seeded sampler" in lines[2] and "weighted unequally" not in str(report)
+    assert report.comparisons[1].verdict == "inconclusive" and report.comparisons[1].other_rows_from == 1
+    assert "1 process (GA=4): INCONCLUSIVE  6 updates (full batch 6); other rows than the full batch's from update 1" \
+        in str(report)
+    assert repr(report).startswith("InvarianceReport(INCONCLUSIVE: other rows (1 process) |")
+
+
+@pytest.mark.parametrize(("rows_of", "cause"), [
+    (_drawn, "other rows altogether: rows drawn at random per batch"),
+    (_shuffled, "the same rows reach the updates in another order: a shuffled sampler seeded differently"),
+    (lambda u: list(range(8 * u, 8 * u + 4)), "the update does not hold GA x processes x micro-batch rows"),
+])
+def test_other_rows_name_their_likely_cause(rows_of, cause):
+    report = judged(sgd_run(rows=feeds(6, 4, 1, rows_of=rows_of)))
+    assert report.verdict == "inconclusive" and cause in report.cannot_judge[0], str(report)
+
+
+def test_one_process_with_the_same_rows_still_judges_when_another_count_has_other_rows():
+    reference = sgd_run(k=1)
+    runs = {1: sgd_run(scale=lambda u: 0.25), 2: sgd_run(p=2, ranks=2, rows=feeds(6, 4, 2, rows_of=_shuffled))}
+    report = judge(runs, {1: reference, 2: reference}, TOL)
+    assert report.verdict == "failed" and report.labels == ("loss divided by GA twice",), str(report)
+    lines = str(report).splitlines()
+    assert lines[1] == "diagnosis:" and lines[3] == "cannot judge:" and "other rows (2 processes)" in lines[4]
+
+
+def test_an_off_by_one_boundary_is_named_from_what_fed_each_update_with_the_update_count_equal():
+    # step % GA == 0 from step 0: update 1 is micro-batch 0 alone, every later window shifted by one. Before issue
+    # 40, the update counts being equal, the weights' pattern named something else.
+    shifted = feeds(6, 4, 1, boundaries=[1, 4, 4, 4, 4, 4])
+    report = judged(sgd_run(twist=TWIST, rows=shifted))
+    assert report.verdict == "failed" and report.labels == ("off-by-one step boundary",), str(report)
+    assert report.diagnosis[0].startswith("off-by-one step boundary: update 1 trained on 1 micro-batch per process, "
+                                          "and every later update on the next GA=4")
+    assert "(micro-batches per update: 1, 4, 4, 4, 4, 4)" in report.diagnosis[0]
+    assert str(report).splitlines()[1:3] == ["diagnosis:", "  - " + report.diagnosis[0]]
+    elsewhere = judged(sgd_run(rows=feeds(6, 4, 1, boundaries=[4, 2, 6, 4, 4, 4])))
+    assert elsewhere.labels == ("step boundary off",), str(elsewhere)
+    calls = []
+    judged(sgd_run(twist=TWIST, rows=shifted), rerun=lambda p: calls.append(p) or sgd_run(k=1))
+    assert calls == []  # what fed the updates proves it: no second full batch needed
+
+
+def test_rows_counted_twice_fail_as_such():
+    # Accelerate's even_batches: the last update of the GA run also holds 2 rows from the start.
+    def topped_up(u):
+        return list(range(8 * u, 8 * u + 8)) + ([0, 1] if u == 5 else [])
+
+    report = judged(sgd_run(scale=lambda u: 1.3 if u == 5 else 1.0, rows=feeds(6, 4, 1, rows_of=topped_up)))
+    assert report.verdict == "failed" and report.labels[0] == "rows counted twice (1 process)", str(report)
+    assert "update(s) 6 trained on every row of the full batch's update and on 2 row(s) more" in report.diagnosis[0]
+
+
+@pytest.mark.parametrize(("run", "verdict", "head", "status"), [
+    (lambda: sgd_run(), "passed", "invariance check passed", 0),
+    (lambda: sgd_run(scale=lambda u: 0.25), "failed", "invariance check FAILED", 1),
+    (lambda: sgd_run(rows=feeds(6, 4, 1, rows_of=_shuffled)), "inconclusive", "invariance check INCONCLUSIVE", 3),
+])
+def test_each_verdict_has_its_headline_truthiness_and_exit_status(run, verdict, head, status):
+    from gaccum_check.__main__ import EXIT_STATUS
+
+    report = judged(run())
+    assert report.verdict == verdict and bool(report) == (verdict == "passed") == report.passed
+    assert str(report).startswith(head) and EXIT_STATUS[verdict] == status
+    if verdict != "passed":  # the line after the headline says why
+        assert str(report).splitlines()[1] == ("diagnosis:" if verdict == "failed" else "cannot judge:")
+
+
+def test_a_run_that_could_not_be_made_keeps_the_others_comparisons():
+    report = judge({1: sgd_run()}, {1: sgd_run(k=1)}, TOL,
+                   failed_runs={2: "run failed (2 processes): the script raised on rank 1 ...\nValueError: no shard"})
+    assert report.verdict == "inconclusive" and report.labels == ("run failed (2 processes)",), str(report)
+    assert report.comparisons[1].passed and "1 process (GA=4): passed" in str(report)
 
 
 def test_logged_losses_are_compared_within_what_was_printed():
@@ -161,6 +295,36 @@ def test_logged_losses_are_compared_within_what_was_printed():
     assert printed_resolution(["2.3456", "0.12"]) == pytest.approx(1e-2)
     assert printed_resolution(["1.5e-03"]) == pytest.approx(1e-4)
     assert printed_resolution([]) == 0.0
+    assert printed_resolution(["nan", "2.5"]) == pytest.approx(1e-1)
+
+
+@pytest.mark.parametrize(("output", "losses"), [
+    ("step 0: train loss 2.1000, val loss 2.3000\n", ["2.1000"]),  # one value a line: the first
+    ("update 1: loss: nan\nlr 0.5\n", ["nan"]),  # never past the line's end
+    ("update 1: loss:\nlr 0.5\n", []),
+    ("loss at step 3: 2.5\n", []),  # a step number is no loss, and the pattern does not skip past it
+    ("{'loss': '1.2345', 'grad_norm': 0.5}\n{'train_loss': 9.0}\nepoch 0: eval_loss 3.0\n", ["1.2345"]),
+    ("Loss 1.5e-03\n[rank0]: update 2: loss 0.25\n", ["1.5e-03", "0.25"]),
+])
+def test_logged_losses_are_read_one_per_line_never_past_its_end(output, losses):
+    # Before issue 40: re.findall over the whole output, every "loss" of a line, and "\D*?" crossed newlines.
+    assert logged_losses(output, DEFAULT_LOSS_PATTERN) == losses
+
+
+def test_losses_that_were_not_compared_are_said_so():
+    reference, run = sgd_run(k=1), sgd_run()
+    missing = Run(1, 4, 2, run.ranks, None, 0.0, losses_from="the script's output (stdout and stderr)")
+    report = judged(missing, reference)
+    assert report and any(n.startswith("no logged loss found in the script's output (stdout and stderr) (1 process, "
+                                       "GA 4, 2 rows per micro-batch): the logged losses were not compared")
+                          for n in report.notes), str(report)
+    extra_line = Run(1, 4, 2, run.ranks, [9.0, *reference.losses], 0.0)  # an evaluation line before the updates'
+    report = judged(extra_line, reference)
+    assert report and report.comparisons[1].largest_loss_distance is None
+    assert any(n.startswith("the logged losses were not compared: 7 values for 6 updates") for n in report.notes)
+    assert "logged losses by" not in str(report)
+    weights_only = Run(1, 4, 2, run.ranks, None, 0.0, losses_from=None)  # --no-losses: nothing to say
+    assert not any("loss" in n for n in judged(weights_only, reference).notes)
 
 
 def test_the_report_prints_once_per_diagnosis_and_reads_in_one_line():
@@ -297,12 +461,14 @@ def test_a_variant_that_drops_the_short_window_is_named(tmp_path):
     assert "12 updates where the full batch made 14" in report.diagnosis[0]
 
 
-def test_a_script_that_fails_raises_with_its_output(tmp_path):
+def test_a_script_that_fails_is_inconclusive_with_its_own_message(tmp_path):
     script = tmp_path / "broken.py"
     script.write_text("import sys\nprint('reading', sys.argv[1:])\nraise SystemExit('no data here')\n")
-    with pytest.raises(InvarianceCheckError, match="(?s)exit status 1.*no data here"):
-        check_script_invariance(f"python {script} {{grad_accum_steps}} {{micro_batch_size}}", num_processes=1,
-                                progress=False)
+    report = check_script_invariance(f"python {script} {{grad_accum_steps}} {{micro_batch_size}}", num_processes=1,
+                                     progress=False)
+    assert report.verdict == "inconclusive" and report.labels == ("run failed (1 process)",), str(report)
+    assert report.cannot_judge[0].startswith("run failed (1 process): its full batch could not be made: the script "
+                                             "raised on 1 process at GA 1, micro-batch 8:\n    no data here")
 
 
 def _make_trainer(kind, grad_accum_steps, per_device_train_batch_size):
@@ -366,12 +532,28 @@ def _regression_loop(layer, grad_accum_steps, micro_batch_size):
 
 
 @pytest.mark.real
-def test_batch_statistics_are_named_and_dropout_makes_the_check_invalid():
+def test_batch_statistics_are_named_and_dropout_makes_the_check_inconclusive():
     plain = check_invariance(functools.partial(_regression_loop, "none"), progress=False)
     assert plain, str(plain)
     batchnorm = check_invariance(functools.partial(_regression_loop, "batchnorm"), progress=False)
     assert not batchnorm and batchnorm.labels[0] == "batch-dependent layer", str(batchnorm)
     assert "BatchNorm1d" in batchnorm.diagnosis[0] and "GroupNorm or LayerNorm" in batchnorm.diagnosis[0]
     dropout = check_invariance(functools.partial(_regression_loop, "dropout"), num_processes=1, progress=False)
-    assert not dropout
-    assert any(n.startswith("not a valid comparison: Dropout(p=0.2) is active") for n in dropout.notes), str(dropout)
+    assert not dropout and dropout.verdict == "inconclusive" and dropout.diagnosis == (), str(dropout)
+    assert dropout.cannot_judge[0].startswith("randomness in training: Dropout(p=0.2) is active"), str(dropout)
+
+
+TINY = ROOT / "tests" / "invariance_scripts" / "tiny_train.py"
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_losses_on_stderr_are_read_and_every_run_reruns_included_prints_its_line(capfd):
+    # Before issue 40: stderr was never read, and the second full batch (the determinism rerun) printed nothing.
+    report = check_script_invariance(f"python {TINY} --grad_accum_steps {{grad_accum_steps}} --micro_batch_size "
+                                     "{micro_batch_size} --log_to_stderr --divide_twice", num_processes=1)
+    assert report.verdict == "failed" and report.labels == ("loss divided by GA twice",), str(report)
+    assert report.comparisons[1].largest_loss_distance > 0.5  # the losses printed on stderr, compared
+    lines = capfd.readouterr().err.splitlines()
+    assert [line.split(" (")[0] for line in lines if line.endswith(" s")] == [
+        "full batch", "run", "full batch again, to check that training is deterministic"], lines
