@@ -185,8 +185,12 @@ def _numbers_04():
         lengths = problem.lengths[first:last + 1]
         return f"({' + '.join(map(str, lengths))} = {sum(lengths)})"
 
+    # The launch's data with 4 processes (lesson 04: a third micro-batch a rank): the second, short update.
+    second = simulate(seed_sequences(48), "token_normalised", grad_accum_steps=2, micro_batch_size=4,
+                      num_processes=4).token_counts[1].tolist()
     return [f"**Rank 1 counts {counts[1]} targets**", f"items 4-7 {items(4, 7)} and 20-23 {items(20, 23)}",
-            f"local counts are {counts.tolist()}, {counts.sum()} in total"]
+            f"local counts are {counts.tolist()}, {counts.sum()} in total",
+            f"({', '.join(map(str, second[:-1]))} and {second[-1]} targets of {sum(second)})"]
 
 
 def _numbers_05():
