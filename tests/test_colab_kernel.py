@@ -106,6 +106,10 @@ def test_lesson_05_and_06_in_a_colab_kernel():
     gallery = _outputs("06_pitfalls_gallery.ipynb")
     assert "notebook_launcher starts no process in this kernel: nothing to show here" in gallery
     assert "gaccum_lib.launch after a reset: [0.2117, 0.3172]" in gallery
+    # pitfalls 18 and 19 launch with gaccum_lib.launch, which forks in a Colab kernel too
+    assert "read ahead                  the weights moved after micro-batches [3, 4, 5, 6, 7]" in gallery
+    assert "evaluation left early            updates at (epoch, micro-batch) [(0, 3), (0, 7), (1, 1), (1, 5), " \
+        "(1, 9)]" in gallery
 
 
 @pytest.mark.colab_outputs
