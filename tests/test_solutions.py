@@ -86,15 +86,25 @@ def _readme_section(lesson: str) -> str:
 
 
 def _numbers_00():
+    import torch
+
     from gaccum_lib import simulate, toy_regression
 
     problem = toy_regression()
-    ga2 = simulate(problem, "mean_of_means", grad_accum_steps=2, micro_batch_size=4, lr=0.02).final_weights[0]
+    model = problem.make_model()  # exercise 1: each micro-batch's mean, the gradient divided by GA at the end
+    for indices in problem.micro_batch_indices(micro_batch_size=2):
+        loss_sum, n = problem.loss_sum_and_count(model, problem.batch_of(indices))
+        (loss_sum / n).backward()
+    model.weight.grad /= 4
+    torch.optim.SGD(model.parameters(), lr=0.02).step()
+    divided_at_the_end = model.weight.item()
     unscaled = simulate(problem, "sum_of_means", grad_accum_steps=4, micro_batch_size=2, lr=0.02).final_weights[0]
     full = simulate(problem, "full_batch", grad_accum_steps=4, micro_batch_size=2, lr=0.02).final_weights[0]
     factor = unscaled / full
     assert factor == pytest.approx(ANSWERS["00.2"])
-    return [f"w = {ga2:.2f} again", f"**{factor:.0f}x** larger (w = {unscaled:.2f})", f"{factor:.0f} times"]
+    assert divided_at_the_end == pytest.approx(full, abs=1e-6)
+    return [f"the full-batch weight, w = {divided_at_the_end:.2f} again",
+            f"**{factor:.0f}x** larger (w = {unscaled:.2f})", f"{factor:.0f} times"]
 
 
 def _numbers_01():
