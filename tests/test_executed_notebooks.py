@@ -20,7 +20,10 @@ EXPECTED_FIGURES = {
                                 "full batch, one step:      w = 2.04000"],
     "02_accelerate_does_it.ipynb": ["w/ accumulation, final weight: 2.04000",
                                     "w/o accumulation, final weight: 2.04000",
-                                    "updates after micro-batches: [4, 8, 10]"],
+                                    "updates after micro-batches: [4, 8, 10]",
+                                    "divided by hand and by accelerator.backward: 0.51000",
+                                    "full_batch        weight after each update: [0.0, 0.204, 1.36422, 2.23778]",
+                                    "mean_of_means     weight after each update: [0.0, 0.204, 1.36422, 1.801]"],
     "08_your_real_stack.ipynb": [
         "labels per update: [294, 425]   targets after the shift: [278, 409]",
         "counts: default 294, with loss_type set 278",
@@ -36,7 +39,10 @@ EXPECTED_FIGURES = {
         "plugin.adjust_scheduler = True, what the scheduler reads = False"],
     "03_variable_length_trap.ipynb": ["initial weights: [-0.0075, 0.5364]", "full batch:       [0.0953, 0.4337]",
                                       "naive (mean of means): [0.0775, 0.4514]",
-                                      "token-normalised (36 targets): [0.0953, 0.4337]"],
+                                      "token-normalised (36 targets): [0.0953, 0.4337]",
+                                      "mean loss over the 36 targets: {'initial': 1.1212, 'full batch': 0.8828, "
+                                      "'naive': 0.9196}",
+                                      "[0.0666, 0.4623]"],
     "04_many_processes.ipynb": ["rank 0: micro-batches of lengths [[1, 2, 3, 4], [9, 10, 11, 12]] -> 52 target tokens",
                                 "targets in the whole update: 136",
                                 "global count, x processes: [0.2117, 0.3172]",
@@ -66,7 +72,8 @@ EXPECTED_FIGURES = {
         "not quite: check_accumulation FAILED",
         "  - mean of micro-batch means"],
     "07_benchmarks.ipynb": ["all-reduces per update: 1 with no_sync, 8 without",
-                            "token-normalised / naive, per update:"],
+                            "token-normalised / naive, per update:",
+                            "14,993 weights: 60 KB of gradients"],
     "06_pitfalls_gallery.ipynb": [
         "check_accumulation passed", "FAILED: loss divided by GA twice", "update / full-batch update: {'GA=4': 0.25, "
         "'GA=2': 0.5}", "FAILED: mean of micro-batch means",
