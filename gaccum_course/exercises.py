@@ -257,12 +257,60 @@ def _own_count_strategy(answer) -> Feedback:
                and np.abs(simulate(problem, s, **kwargs).weights - own_count).max() < 1e-9]
     if answer in matches:
         return Feedback(True, f"correct! {answer}: each micro-batch's mean, and no / GA. Dividing by the window's N "
-                              "did two jobs, the weighting by targets and the / GA, and the own count does neither")
+                              "did two jobs, the weighting by targets and the / GA, and the own count does neither. "
+                              "(Lesson 04's own count ran under accelerator.backward, which divides by GA: there the "
+                              "same division is mean_of_means, the naive mean of means)")
     if answer == "mean_of_means":
         return Feedback(False, "not quite: mean_of_means divides each micro-batch's mean by GA too; does the loop? "
                                "(compare the length of the first step with the full batch's)")
     return Feedback(False, f"not quite: {answer} is not what the loop does; compare its first step with "
                            "simulate(problem, <strategy>, ...) for each name in LABELS")
+
+
+def _naive_overweight_at_ga16(answer) -> Feedback:
+    """12.1: GA 16, one row a micro-batch: the naive 1/16 over the shortest row's share of the update's targets."""
+    from gaccum_lib.lm import tiny_lm
+
+    lengths = tiny_lm(64).lengths[:16]  # the first update's rows
+    targets = [length - 1 for length in lengths]
+    right = (1 / 16) / (min(targets) / sum(targets))
+    answer = float(answer)
+    if abs(answer - right) < 0.01 * right:
+        return Feedback(True, f"correct! {sum(targets)} targets in the update, {min(targets)} in the shortest row: "
+                              f"its share is {min(targets)}/{sum(targets)}, the naive loop gives it 1/16, "
+                              f"{right:.2f} times as much")
+    if abs(answer - 1 / right) < 0.01 / right:
+        return Feedback(False, "not quite: that is the full-batch weight over the naive one; the question is the "
+                               "other way round")
+    before = (1 / 16) / (min(lengths) / sum(lengths))
+    if abs(answer - before) < 0.01 * before:
+        return Feedback(False, "not quite: count targets after the shift, L - 1 per row")
+    return Feedback(False, "not quite: the full batch weighs a row by its targets over the update's targets "
+                           "(after the shift); the naive loop by 1/16")
+
+
+def _last_update_targets(answer) -> Feedback:
+    """12.2: 22 rows, 2 processes, micro-batches of 2, GA 4: the last update's targets, even_batches vs padded."""
+    from gaccum_lib.lm import tiny_lm
+    from gaccum_lib.sharding import plan_windows
+
+    if not isinstance(answer, tuple | list) or len(answer) != 2:
+        raise TypeError("give a pair (plain, padded), e.g. (500, 400)")
+    lengths = tiny_lm(22).lengths
+    plain_plan = plan_windows(22, micro_batch_size=2, grad_accum_steps=4, num_processes=2)  # even_batches, on
+    plain = sum(lengths[i] - 1 for rank in plain_plan[-1] for batch in rank for i in batch)
+    padded = sum(length - 1 for length in lengths[16:])  # rows 16-21; the rows without targets add none
+    plain_answer, padded_answer = (int(x) for x in answer)
+    if (plain_answer, padded_answer) == (plain, padded):
+        return Feedback(True, f"correct! {plain} from the plain DataLoader, which tops rank 1 up with rows 0 and 1 "
+                              f"again, {padded} from padded_loader, rows 16-21 only")
+    if (plain_answer, padded_answer) == (padded, plain):
+        return Feedback(False, "not quite: the other way round; which loader repeats rows?")
+    if padded_answer != padded:
+        return Feedback(False, "not quite: padded_loader's last update holds the rows after the first update's 16, "
+                               "each with L - 1 targets")
+    return Feedback(False, "not quite: 11 micro-batches for 2 processes: rank 1 is one short, and the plain "
+                           "DataLoader fills it from the start of the data")
 
 
 def _scheduler_steps_three_processes(answer) -> Feedback:
@@ -365,6 +413,8 @@ CHECKS = {
     "09.1": _scheduler_steps_three_processes,
     "10.1": _fsdp_gradient_gib,
     "10.2": _deepspeed_double_division,
+    "12.1": _naive_overweight_at_ga16,
+    "12.2": _last_update_targets,
 }
 
 

@@ -42,4 +42,6 @@ ANSWERS = {
     "09.1": 252,                        # 2 epochs x 3 processes x ceil(ceil(1000 / 3) / 8) = 2 x 3 x 42
     "10.1": (14.9, 1.86),               # 8e9 x 2 bytes / 2^30 unsharded, and that / 8 GPUs as a shard
     "10.2": 1 / 32,                     # / GA twice (the loop's and the engine's), and no x 2 for DDP's mean
+    "12.1": 4.0,                        # 1/16 against the shortest row's 14 of the update's 897 targets
+    "12.2": (408, 324),                 # rows 16-21, plus rows 0 and 1 again from the plain DataLoader
 }

@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 STARTUP = ROOT / "tests" / "colab" / "kernel_startup.py"
 EXECUTED = Path(os.environ.get("GACCUM_COLAB_EXECUTED", ROOT / "build" / "colab" / "run"))
 LAUNCHING = ("04_many_processes.ipynb", "05_capstone_language_model.ipynb", "06_pitfalls_gallery.ipynb",
-             "08_your_real_stack.ipynb", "09_schedulers_across_processes.ipynb", "10_past_ddp.ipynb")
+             "08_your_real_stack.ipynb", "09_schedulers_across_processes.ipynb", "10_past_ddp.ipynb",
+             "12_capstone_further.ipynb")
 
 
 @pytest.fixture(autouse=True)
@@ -110,6 +111,14 @@ def test_lesson_05_and_06_in_a_colab_kernel():
     assert "read ahead                  the weights moved after micro-batches [3, 4, 5, 6, 7]" in gallery
     assert "evaluation left early            updates at (epoch, micro-batch) [(0, 3), (0, 7), (1, 1), (1, 5), " \
         "(1, 9)]" in gallery
+
+
+@pytest.mark.colab_outputs
+def test_lesson_12_launches_two_processes_in_a_colab_kernel():
+    further = _outputs("12_capstone_further.ipynb")
+    assert "first update (same weights for all): full batch 4.17589, naive 4.17795, token-normalised 4.17589" in further
+    assert "targets per update in the first epoch: full batch [897, 126] {'pad': [897, 126], 'repeat': [897, 210]}" \
+        in further
 
 
 @pytest.mark.colab_outputs

@@ -29,7 +29,8 @@ WRONG = {"00.2": 2, "01.1": 2.04, "01.2": 0.02, "02.1": [3, 6, 9], "03.2": [1, 2
          "05.1": 1835, "05.2": 2, "05.3": _naive_accumulation_step, "05.4": "mean_of_means", "06.2": "no update",
          "07.2": ("larger", "larger"), "07.3": 34.8,
          "08.1": 50 / 49, "08.2": lambda model: model,
-         "09.1": 250, "10.1": (16, 2), "10.2": 1 / 16}  # 07.3: the slower time / GA, other work included
+         "09.1": 250, "10.1": (16, 2), "10.2": 1 / 16,  # 07.3: the slower time / GA, other work included
+         "12.1": 0.25, "12.2": (324, 408)}
 
 
 def _check_cells():
@@ -266,9 +267,25 @@ def _numbers_10():
             f"**1/{round(1 / ANSWERS['10.2'])}**", "`loss_sum x GA x P / N`"]
 
 
+def _numbers_12():
+    from gaccum_lib.lm import tiny_lm
+
+    first = tiny_lm(64).lengths[:16]
+    targets, shortest, longest = sum(first) - 16, min(first), max(first)
+    assert targets / (16 * (shortest - 1)) == pytest.approx(ANSWERS["12.1"], rel=0.01)
+    lengths = tiny_lm(22).lengths
+    padded = sum(lengths[16:]) - 6
+    assert ANSWERS["12.2"] == (padded + lengths[0] + lengths[1] - 2, padded)
+    return [f"**{ANSWERS['12.1']:.1f} times**", f"16 rows hold {targets} targets", f"{shortest} characters, holds "
+            f"{shortest - 1} of them", f"{targets} / (16 x {shortest - 1}) = {ANSWERS['12.1']:.1f}",
+            f"({longest} characters, {longest - 1} targets) gets {targets / (16 * (longest - 1)):.2f} times",
+            f"rows 16-21, {padded} targets", f"rows 0 and 1 ({lengths[0] - 1} + {lengths[1] - 1} targets): "
+            f"{ANSWERS['12.2'][0]}"]
+
+
 README_NUMBERS = {"00": _numbers_00, "01": _numbers_01, "02": _numbers_02, "03": _numbers_03, "04": _numbers_04,
                   "05": _numbers_05, "06": _numbers_06, "07": _numbers_07, "08": _numbers_08,
-                  "09": _numbers_09, "10": _numbers_10}
+                  "09": _numbers_09, "10": _numbers_10, "12": _numbers_12}
 
 
 def test_the_readme_numbers_cover_every_lesson():

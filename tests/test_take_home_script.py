@@ -244,9 +244,11 @@ def test_target_free_rows_add_no_target_and_fill_every_process():
 
 # ----------------------------------------------------------------------------------------------
 # Lesson 05 trains with these very functions: its cells hold them character for character.
+# Deep dive 12 runs them again, from one collapsed cell: the same text.
 # ----------------------------------------------------------------------------------------------
 
 LESSON = ROOT / "notebooks" / "05_capstone_language_model.ipynb"
+FURTHER = ROOT / "notebooks" / "12_capstone_further.ipynb"
 RECIPE = ("IGNORE_INDEX", "train_causal_lm", "summed_next_token_loss", "collate_rows", "padded_loader",
           "check_settings", "check_backend")
 
@@ -262,21 +264,22 @@ def _top_level(source):
     return found
 
 
-def _lesson_code():
-    cells = json.loads(LESSON.read_text())["cells"]
+def _lesson_code(lesson=LESSON):
+    cells = json.loads(lesson.read_text())["cells"]
     return ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
 
 
-def test_lesson_05_holds_the_scripts_recipe_character_for_character():
+@pytest.mark.parametrize("lesson", [LESSON, FURTHER], ids=["05", "12"])
+def test_lessons_05_and_12_hold_the_scripts_recipe_character_for_character(lesson):
     in_script = _top_level(SCRIPT.read_text())
     in_lesson = {}
-    for cell in _lesson_code():
+    for cell in _lesson_code(lesson):
         for name, text in _top_level(cell).items():
-            assert name not in in_lesson or name not in RECIPE, f"lesson 05 defines {name} twice"
+            assert name not in in_lesson or name not in RECIPE, f"{lesson.name} defines {name} twice"
             in_lesson[name] = text
     for name in RECIPE:
-        assert name in in_lesson, f"lesson 05 does not show {name}"
-        assert in_lesson[name] == in_script[name], f"{name} in lesson 05 differs from examples/train_causal_lm.py"
+        assert name in in_lesson, f"{lesson.name} does not show {name}"
+        assert in_lesson[name] == in_script[name], f"{name} in {lesson.name} differs from examples/train_causal_lm.py"
 
 
 def _train_in_this_process(functions, model, rows, *, grad_accum_steps, micro_batch_size, **knobs):
