@@ -10,6 +10,7 @@ Nothing here teaches accumulation itself; the lessons use it so that their cells
 * :mod:`~gaccum_course.lessons` -- the map of the notebooks (README, lesson 00, the site)
 * :mod:`~gaccum_course.benchmarks` -- the saved results of ``make bench`` (lesson 07)
 * :mod:`~gaccum_course.env` -- what this kernel runs on (lesson 00)
+* :mod:`~gaccum_course.gallery` -- lesson 06's launches with Accelerate's own ``notebook_launcher``
 
 The concepts live in :mod:`gaccum_lib`; the verifier of your own loop in :mod:`gaccum_check`.
 """
