@@ -325,42 +325,92 @@ def _scheduler_steps_three_processes(answer) -> Feedback:
     return Feedback(False, "not quite: N x ceil(ceil(L / N) / GA) per epoch, with L = 1000, GA = 8, N = 3")
 
 
+def _scheduler_steps_split_batches(answer) -> Feedback:
+    """09.2: exercise 1's run with split_batches and the same global batch: ceil(1000 / 3) loader batches, seen by
+    every rank, one scheduler step per update."""
+    import math
+
+    from gaccum_lib.schedule import schedule_length
+
+    loader_batches = math.ceil(1000 / 3)  # each batch of the loader holds 3 of the old ones
+    right = schedule_length("updates", loader_batches, 8, 1, epochs=2)  # split_batches: as on one process
+    if int(answer) == right:
+        return Feedback(True, f"correct! every rank sees all {loader_batches} batches (a third of each): "
+                              f"ceil({loader_batches} / 8) = {right // 2} updates an epoch, one scheduler step "
+                              "each; the same training as exercise 1, a third of its steps")
+    if int(answer) == schedule_length("updates", 1000, 8, 3, epochs=2):
+        return Feedback(False, "not quite: that is exercise 1's count; with split_batches each update steps the "
+                               "scheduler once, not once per process")
+    if int(answer) == schedule_length("usual_rule", 1000, 8, 1, epochs=2):
+        return Feedback(False, "not quite: the loader no longer has 1000 batches: each of its batches holds 3 of the "
+                               "old ones")
+    return Feedback(False, "not quite: with split_batches every rank sees every batch of the loader (a part of each) "
+                           "and each update steps the scheduler once: epochs x ceil(len(loader) / GA)")
+
+
 def _gpt2_trainer_fraction(answer) -> Feedback:
-    """08.1: rows of 50 tokens, counted before the shift: each update is 49/50 of the per-token one."""
+    """08.1: 4 rows of 10 tokens on rank 0, 4 of 40 on rank 1, GA 1: the Trainer's count, gathered, is the labels of
+    all 8 rows; the loss sums over their targets, one fewer a row."""
+    import tempfile
+
+    from transformers import Trainer, TrainingArguments
+
+    from gaccum_lib.real_stack import collate, fixed_length_rows, targets_after_shift, tiny_causal_lm
+
     answer = float(answer)
-    labels, targets = 8 * 50, 8 * 49
+    ranks = [collate(fixed_length_rows(4, 10)), collate(fixed_length_rows(4, 40))]  # each rank's micro-batch
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="gaccum-08-"), use_cpu=True, report_to="none")
+    trainer = Trainer(model=tiny_causal_lm("gpt2"), args=args, data_collator=collate)
+    labels = int(trainer.get_batch_samples(iter(ranks), 2, "cpu")[1])  # both ranks' rows: the gathered count
+    targets = sum(targets_after_shift(batch) for batch in ranks)
+    per_rank = [targets_after_shift(b) / int(trainer.get_batch_samples(iter([b]), 1, "cpu")[1]) for b in ranks]
     if abs(answer - targets / labels) < 1e-3:
-        return Feedback(True, f"correct! {targets} targets / {labels} labels = {targets / labels:.2f}: "
-                              "a fiftieth of every update is lost")
+        return Feedback(True, f"correct! {targets} targets / {labels} labels = {targets / labels:.2f}: one count "
+                              "for the whole update, gathered over both processes")
+    if abs(answer - sum(per_rank) / 2) < 1e-3 or any(abs(answer - f) < 1e-3 for f in per_rank):
+        return Feedback(False, "not quite: that is one process's fraction, or their mean; the Trainer gathers one "
+                               "count over both processes, so count targets and labels over all 8 rows")
     if abs(answer - labels / targets) < 1e-3:
         return Feedback(False, "not quite: that is labels / targets; the Trainer divides by the larger count, "
                                "so the update is shorter, not longer")
-    return Feedback(False, "not quite: the Trainer divides by the labels (50 per row), the loss sums over "
-                           "the targets after the shift (49 per row)")
+    return Feedback(False, "not quite: the Trainer divides by the labels (10 or 40 a row), the loss sums over the "
+                           "targets after the shift (one fewer a row)")
 
 
-def _trainer_counts_after_shift(answer) -> Feedback:
-    """08.2: the learner's fix, judged by the count a real Trainer takes for a GPT-2 window."""
+def _collate_with_shift_labels(answer) -> Feedback:
+    """08.2: the learner's collate, judged by the count a real Trainer takes around the default GPT-2, and the loss."""
     import tempfile
 
+    import torch
     from transformers import Trainer, TrainingArguments
 
     from gaccum_lib.real_stack import collate, targets_after_shift, tiny_causal_lm, variable_length_rows
 
     if not callable(answer):
-        raise TypeError(f"give your function itself, my_trainer_fix(model), not a {type(answer).__name__}")
-    model = answer(tiny_causal_lm("gpt2"))
-    if model is None:
-        return Feedback(False, "not quite: my_trainer_fix must return the model")
+        raise TypeError(f"give your function itself, my_collate(rows), not a {type(answer).__name__}")
     rows = variable_length_rows(16)
-    window = [collate(rows[i:i + 2]) for i in range(0, 16, 2)]
+    groups = [rows[i:i + 2] for i in range(0, 16, 2)]
+    window = [answer(group) for group in groups]
+    if not all(isinstance(batch, dict) and "shift_labels" in batch for batch in window):
+        return Feedback(False, "not quite: my_collate must return collate(rows)'s batch with a 'shift_labels' entry")
+    model = tiny_causal_lm("gpt2")  # no loss_type: without shift_labels the Trainer counts every label
     args = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="gaccum-08-"), use_cpu=True, report_to="none")
-    _, count = Trainer(model=model, args=args, data_collator=collate).get_batch_samples(iter(window), 8, "cpu")
-    targets = sum(targets_after_shift(batch) for batch in window)
-    if int(count) == targets:
-        return Feedback(True, f"correct! the Trainer now counts {targets} targets after the shift")
-    return Feedback(False, f"not quite: the Trainer counts {int(count)}, the loss averages over {targets}; "
-                           "hint: which attribute does the Trainer read to decide whether the loss shifts?")
+    _, count = Trainer(model=model, args=args, data_collator=answer).get_batch_samples(iter(window), 8, "cpu")
+    targets = sum(targets_after_shift(collate(group)) for group in groups)
+    if int(count) != targets:
+        return Feedback(False, f"not quite: the Trainer counts {int(count)}, the loss averages over {targets}; "
+                               "hint: shift_labels[:, t] is the label position t predicts, labels[:, t + 1]")
+    try:
+        with torch.no_grad():
+            gaps = [abs(float(model(**batch).loss) - float(model(**collate(group)).loss))
+                    for batch, group in zip(window, groups, strict=True)]
+    except (RuntimeError, ValueError):
+        return Feedback(False, "not quite: the loss cannot use these shift_labels: they need the shape of labels, "
+                               "with -100 at the last position")
+    if max(gaps) > 1e-5:
+        return Feedback(False, "not quite: the count is right but the loss is not collate's: shift_labels[:, t] must "
+                               "be labels[:, t + 1], and -100 at the last position")
+    return Feedback(True, f"correct! the Trainer counts {targets} targets after the shift, and the loss is unchanged")
 
 
 def _fsdp_gradient_gib(answer) -> Feedback:
@@ -409,8 +459,9 @@ CHECKS = {
     "07.2": _allreduce_ratio_directions,
     "07.3": _allreduce_ms,
     "08.1": _gpt2_trainer_fraction,
-    "08.2": _trainer_counts_after_shift,
+    "08.2": _collate_with_shift_labels,
     "09.1": _scheduler_steps_three_processes,
+    "09.2": _scheduler_steps_split_batches,
     "10.1": _fsdp_gradient_gib,
     "10.2": _deepspeed_double_division,
     "12.1": _naive_overweight_at_ga16,

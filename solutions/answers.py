@@ -17,10 +17,16 @@ def my_accumulation_step(model, optimizer, micro_batches, loss_fn, ctx):
     optimizer.zero_grad()
 
 
-def my_trainer_fix(model):
-    """08.2: GPT2LMHeadModel has no loss_type, so the Trainer counts labels before the shift; name its loss."""
-    model.loss_type = "ForCausalLM"
-    return model
+def my_collate(rows):
+    """08.2: collate's batch plus shift_labels, which the Trainer counts and the loss uses: position t holds
+    labels[t + 1], the last position -100 (nothing to predict)."""
+    import torch
+
+    from gaccum_lib.real_stack import collate
+
+    batch = collate(rows)
+    batch["shift_labels"] = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+    return batch
 
 
 ANSWERS = {
@@ -37,9 +43,10 @@ ANSWERS = {
     "06.2": "state carried over between windows",  # a missing zero_grad shows in the second window
     "07.2": ("smaller", "larger"),      # cheaper all-reduces shrink the ratio, dearer ones grow it
     "07.3": 25.8,                       # (278.3 - 97.4) ms / (GA - 1 = 7), from gaccum_course/saved/benchmarks.json
-    "08.1": 0.98,                       # 49 targets per 50 labels in every row
-    "08.2": my_trainer_fix,             # loss_type = "ForCausalLM": the Trainer counts labels[..., 1:]
+    "08.1": 0.96,                       # 192 targets / 200 labels over both processes' 8 rows (gathered)
+    "08.2": my_collate,                 # shift_labels: the Trainer counts them, the loss uses them
     "09.1": 252,                        # 2 epochs x 3 processes x ceil(ceil(1000 / 3) / 8) = 2 x 3 x 42
+    "09.2": 84,                         # split_batches: 2 epochs x ceil(ceil(1000 / 3) / 8), one step an update
     "10.1": (14.9, 1.86),               # 8e9 x 2 bytes / 2^30 unsharded, and that / 8 GPUs as a shard
     "10.2": 1 / 32,                     # / GA twice (the loop's and the engine's), and no x 2 for DDP's mean
     "12.1": 4.0,                        # 1/16 against the shortest row's 14 of the update's 897 targets

@@ -25,11 +25,17 @@ def _naive_accumulation_step(model, optimizer, micro_batches, loss_fn, ctx):
     optimizer.zero_grad()
 
 
+def _collate_without_shift_labels(rows):
+    from gaccum_lib.real_stack import collate
+
+    return collate(rows)
+
+
 WRONG = {"00.2": 2, "01.1": 2.04, "01.2": 0.02, "02.1": [3, 6, 9], "03.2": [1, 2, 3, 4, 5, 6, 7, 8], "04.1": 52,
          "05.1": 1835, "05.2": 2, "05.3": _naive_accumulation_step, "05.4": "mean_of_means", "06.2": "no update",
          "07.2": ("larger", "larger"), "07.3": 34.8,
-         "08.1": 50 / 49, "08.2": lambda model: model,
-         "09.1": 250, "10.1": (16, 2), "10.2": 1 / 16,  # 07.3: the slower time / GA, other work included
+         "08.1": 0.9375, "08.2": lambda rows: _collate_without_shift_labels(rows),
+         "09.1": 250, "09.2": 252, "10.1": (16, 2), "10.2": 1 / 16,  # 07.3: the slower time / GA, other work included
          "12.1": 0.25, "12.2": (324, 408)}
 
 
@@ -143,18 +149,24 @@ def _numbers_09():
     updates = math.ceil(per_rank / 8)
     total = schedule.schedule_length("updates", 1000, 8, 3, epochs=2)
     assert total == ANSWERS["09.1"] == 2 * 3 * updates
+    split = schedule.schedule_length("updates", per_rank, 8, 1, epochs=2)  # split_batches: as on one process
+    assert split == ANSWERS["09.2"] == 2 * updates
     return [f"**{total} scheduler steps**", f"`ceil(1000 / 3) = {per_rank}`", f"`ceil({per_rank} / 8) = {updates}`",
             f"{3 * updates} steps an epoch",
             f"rule says {schedule.schedule_length('usual_rule', 1000, 8, 3, epochs=2)}",
-            f"`ceil(1000 / 8) = {schedule.schedule_length('usual_rule', 1000, 8, 4)}` updates"]
+            f"**{split} scheduler steps** (`my_split_steps = {ANSWERS['09.2']}`)", f"{split} in two epochs",
+            f"a `total_steps` of {total} carried over",
+            f"`launch_count(3, {per_rank}, 8, split_batches=True)` ends one epoch at {updates}"]
 
 
 def _numbers_08():
-    labels, targets = 8 * 50, 8 * 49
+    rows = [10] * 4 + [40] * 4  # rank 0's rows, then rank 1's
+    labels, targets = sum(rows), sum(n - 1 for n in rows)
     assert ANSWERS["08.1"] == pytest.approx(targets / labels)
-    return [f"**{targets / labels:.2f}** (`my_fraction = {ANSWERS['08.1']}`)", f"8 x 50 = {labels} labels",
-            f"8 x 49 = {targets} targets", f"{targets} / {labels} = {targets / labels:.2f}",
-            '**`model.loss_type = "ForCausalLM"`**']
+    own = [9 / 10, 39 / 40]
+    return [f"**{targets / labels:.2f}** (`my_fraction = {ANSWERS['08.1']}`)", f"4 x 10 + 4 x 40 = {labels} labels",
+            f"4 x 9 + 4 x 39 = {targets}", f"{targets} / {labels} = {targets / labels:.2f}",
+            f"({own[0]:g} and {own[1]:g}, mean {sum(own) / 2:g})", f"mean row length ({labels // len(rows)} here)"]
 
 
 def _numbers_03():
