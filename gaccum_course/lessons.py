@@ -39,26 +39,28 @@ class Lesson:
 
 LESSONS = (
     Lesson("00_start_here.ipynb", "Start here",
-           "Check the environment, see the map of the suite, take the 2.04 teaser.",
-           "core", (10, 20), "about 6 s"),
+           "Check the environment, see the path through the suite, test the idea of accumulation on a toy.",
+           "core", (15, 25), "about 6 s"),
     Lesson("01_why_accumulate.ipynb", "Why accumulate",
-           "Memory measured; the plain loop; / GA vs forgetting it (2.04 vs 8.16); equal to the full batch.",
-           "core", (20, 35), "about 9 s"),
+           "Memory measured; the plain loop; why each loss is divided by GA and what forgetting it does; equal to "
+           "the full batch.",
+           "core", (30, 45), "about 9 s"),
     Lesson("02_accelerate_does_it.ipynb", "Accelerate does it for you",
            "Accelerator, prepare, accumulate(), backward divides by GA, sync_gradients, the short last window, "
            "clipping.",
-           "core", (25, 35), "about 8 s"),
+           "core", (30, 40), "about 8 s"),
     Lesson("03_variable_length_trap.ipynb", "The variable-length trap",
-           "Naive mean of means vs token normalisation: [0.0775, 0.4514] vs [0.0953, 0.4337]; error grows with GA.",
-           "core", (25, 40), "about 8 s"),
+           "Naive mean of means vs token normalisation on sequences of different lengths; the error grows with GA, "
+           "packing hides it.",
+           "core", (35, 50), "about 8 s"),
     Lesson("04_many_processes.ipynb", "Many processes",
-           "x num_processes, gathering the count, no_sync, a simulator, and a real notebook_launcher run: "
-           "[0.2117, 0.3172].",
-           "core", (35, 50), "about 10 s"),
-    Lesson("05_capstone_language_model.ipynb", "Capstone: a tiny language model",
-           "A character transformer on a shipped story: targets after the shift, naive vs token-normalised on 1 "
-           "and 2 real processes, the naive error growing with GA, packing hiding it.",
-           "core", (60, 80), "about 14 s"),
+           "x num_processes, the gathered count, no_sync, and a bare notebook_launcher run checked against the "
+           "simulator and the full batch (a short last window included).",
+           "core", (30, 40), "about 6 s"),
+    Lesson("05_capstone_language_model.ipynb", "Capstone: the recipe on a tiny language model",
+           "Targets after the shift; naive vs token-normalised on 1 and 2 real processes; the take-home "
+           "train_causal_lm on 2 processes with clipping and a schedule equals the 1-process full batch.",
+           "core", (30, 55), "about 12 s"),
     Lesson("06_pitfalls_gallery.ipynb", "A gallery of pitfalls",
            "Sixteen mistakes, most of them silent, reproduced with symptom and fix; check_accumulation catches the "
            "loop-level ones.",
@@ -66,7 +68,7 @@ LESSONS = (
     Lesson("07_benchmarks.ipynb", "What it costs and saves, measured",
            "Saved make-bench results: token normalisation's cost, accumulation's time cost, no_sync's saving, "
            "flat memory, speeds.",
-           "deep dive", (15, 30), "about 6 s"),
+           "deep dive", (25, 40), "about 6 s"),
     Lesson("08_your_real_stack.ipynb", "Your real stack: transformers, the Trainer, AdamW, bf16",
            "GPT-2 and Llama from configs: naive vs num_items_in_batch (weights and logged loss); the Trainer's GA "
            "equals its full batch on 1 and 2 real processes, but counts GPT-2's labels before the shift (0.9456 of "
@@ -81,6 +83,10 @@ LESSONS = (
            "gradient held instead of a shard; DeepSpeed's own accumulation (and its clip at 1.0); which GRPO loss "
            "types survive GA (bnpo drifts); BatchNorm, in-batch negatives and load balancing, with their fixes.",
            "deep dive", (40, 55), "about 15 s"),
+    Lesson("12_capstone_further.ipynb", "The capstone, further",
+           "The naive error grows with GA, packing hides it; the logged loss; uneven data (pad vs repeat); bf16; "
+           "DeepSpeed/FSDP refused, ZeRO stages defined.",
+           "deep dive", (30, 45), "about 19 s"),
 )
 
 
