@@ -62,9 +62,9 @@ LESSONS = (
            "train_causal_lm on 2 processes with clipping and a schedule equals the 1-process full batch.",
            "core", (30, 55), "about 12 s"),
     Lesson("06_pitfalls_gallery.ipynb", "A gallery of pitfalls",
-           "Sixteen mistakes, most of them silent, reproduced with symptom and fix; check_accumulation catches the "
-           "loop-level ones.",
-           "reference", (50, 65), "about 10 s"),
+           "Nineteen ways accumulation goes wrong, indexed by number and symptom, each with cause, fix and a cell "
+           "that shows it; check_accumulation catches the loop-level ones.",
+           "reference", (80, 100), "about 11 s"),
     Lesson("07_benchmarks.ipynb", "What it costs and saves, measured",
            "Saved make-bench results: token normalisation's cost, accumulation's time cost, no_sync's saving, "
            "flat memory, speeds.",
