@@ -71,13 +71,14 @@ LESSONS = (
            "deep dive", (25, 40), "about 6 s"),
     Lesson("08_your_real_stack.ipynb", "Your real stack: transformers, the Trainer, AdamW, bf16",
            "GPT-2 and Llama from configs: naive vs num_items_in_batch (weights and logged loss); the Trainer's GA "
-           "equals its full batch on 1 and 2 real processes, but counts GPT-2's labels before the shift (0.9456 of "
-           "each update); AdamW hides a forgotten / GA, not a mean of means; bf16 gradient buffers.",
-           "deep dive", (45, 55), "about 15 s"),
+           "equals its full batch on 1 and 2 real processes, but counts GPT-2's labels before the shift; AdamW "
+           "hides a forgotten / GA, not a mean of means; bf16 gradient buffers.",
+           "deep dive", (75, 90), "about 15 s"),
     Lesson("09_schedulers_across_processes.ipynb", "Schedulers across processes",
            "A prepared scheduler steps N times per update, measured; N x ceil(ceil(L/N)/GA) steps an epoch "
-           "(128, not 125); sizing total_steps; split_batches; sync_each_batch; adjust_scheduler read as False.",
-           "deep dive", (30, 45), "about 9 s"),
+           "(128, not 125); sizing total_steps; split_batches; sync_each_batch; adjust_scheduler read as False "
+           "(measured).",
+           "deep dive", (45, 60), "about 9 s"),
     Lesson("10_past_ddp.ipynb", "Past DDP: FSDP, DeepSpeed, RL losses",
            "FSDP2 on 2 real processes equals the full batch: 3 reduce-scatters an update instead of 12, a whole "
            "gradient held instead of a shard; DeepSpeed's own accumulation (and its clip at 1.0); which GRPO loss "
