@@ -30,13 +30,14 @@ LAB_PORT ?= 8888
 NB_WORKERS ?= 2
 EXECUTED := build/executed
 
-.PHONY: help env lab test lint unit notebooks colab field pythons browser html bench bench-save determinism strip lock clean
+.PHONY: help env lab test lint unit notebooks colab field floors pythons browser html bench bench-save determinism strip lock clean
 
 help:
 	@echo "make lab    - set up .venv (first time only) and start JupyterLab on http://127.0.0.1:$(LAB_PORT)"
 	@echo "make test   - set up .venv (first time only) and run lint, unit tests and every notebook (also in a browser)"
 	@echo "make html   - execute every notebook and render a static, offline site in build/site/"
 	@echo "make field  - a wheel in a fresh venv runs every lesson outside the repository; the install cell in a bare Jupyter"
+	@echo "make floors - every lesson at pyproject's floors and on Colab's and Kaggle's versions (several GB; PLATFORMS.md)"
 	@echo "make pythons - the unit tests and every notebook on Python 3.12 and 3.13 (PyPI's CUDA torch, about 5 GB)"
 	@echo "make colab  - the launching lessons in a kernel Accelerate takes for Colab's (make browser does it in the browser)"
 	@echo "make bench  - measure what accumulation costs and saves (a few minutes); writes build/bench/results.*"
@@ -124,6 +125,14 @@ colab: $(STAMP)
 # this machine's mirror), so not part of `make test`; run it before a release.
 field: $(STAMP)
 	$(PY) -m pytest tests/test_field.py -q -m field -p no:cacheprovider
+
+# Every lesson on the software learners have (scripts/run_platforms.py): a venv at pyproject.toml's floors,
+# one of Colab's published set (Python 3.13, ipywidgets 7.7.1) and a Kaggle-like one (3.12, ipywidgets 8.1.5),
+# each lesson run in a kernel Accelerate takes for the platform's and installed by its own install cell, which
+# must leave torch, accelerate, transformers and ipywidgets as they were. Several GB from PyPI: not in make test.
+# Writes benchmarks/PLATFORMS.md.
+floors: $(STAMP)
+	$(PY) scripts/run_platforms.py
 
 # The unit tests and every notebook on Python 3.12 and 3.13 (build/py3.12, build/py3.13). PyPI's torch
 # for them is the CUDA build (about 5 GB): out of `make test`, run it before a release.

@@ -14,7 +14,7 @@ PACKAGES = ("torch", "accelerate", "transformers", "numpy", "matplotlib", "ipywi
 
 #: The oldest release of each package the lessons run with, who needs it, and why (pyproject.toml has the same floors).
 MINIMUMS = {
-    "torch": ("2.6", "every lesson", "accelerate 1.13's own floor"),
+    "torch": ("2.11", "every lesson", "transformers 5.10's float8 types; FSDP2 over gloo in lesson 10"),
     "accelerate": ("1.13", "lessons 02-09", "lesson 06's pitfalls 12 and 14; get_free_port (04-09)"),
     "transformers": ("5.10.1", "lessons 05 and 08", "the Trainer's train_sampling_strategy and Llama's count"),
     "ipywidgets": ("7.7", "the explorers in 01-03 and 09", "the widget API they use, the same in 7.7 and 8"),
