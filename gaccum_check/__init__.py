@@ -94,7 +94,7 @@ class AccumulationReport:
 
     @property
     def failed_process_counts(self) -> tuple[int, ...]:
-        return tuple(p for p, d in self.details.items() if not d.passed)
+        return tuple(p for p, d in self.details.items() if d.verdict == "failed")
 
     def __repr__(self) -> str:
         # One line, diagnosis labels first: pytest shows about the first 120 characters of the

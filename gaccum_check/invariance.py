@@ -250,6 +250,9 @@ def compare_runs(run: Run, reference: Run, tol: float) -> Comparison:
         off_by_one = rows.text.startswith("off-by-one")
         diagnosis.append(rows.text if off_by_one or run.updates == reference.updates else
                          update_count_text(run.updates, reference.updates, k, p))
+    elif rows is not None and rows.kind == "rows left out":
+        diagnosis.append(rows.text if run.updates == reference.updates else
+                         update_count_text(run.updates, reference.updates, k, p))
     elif rows is not None:  # rows repeated: named first; the weights' pattern then says where, not why
         diagnosis.append(rows.text)
         diagnosis += [f"{text.split(';')[0]}; there the run trained on rows counted twice" for text in
@@ -339,7 +342,7 @@ def judge(runs: dict, references: dict, tol: float, *, rerun=None, failed_runs=N
     """
     comparisons = {p: compare_runs(run, references[p], tol) for p, run in runs.items()}
     problems, batch_statistics = _validity(runs, references)
-    from_rows = ("off-by-one step boundary", "step boundary off", "rows counted twice")
+    from_rows = ("off-by-one step boundary", "step boundary off", "rows counted twice", "rows left out")
     weights_failed = any(c.verdict == "failed" and not any(d.startswith(from_rows) for d in c.diagnosis)
                          for c in comparisons.values())
     notes = list(dict.fromkeys(n for c in comparisons.values() for n in c.notes))

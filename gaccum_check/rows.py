@@ -14,8 +14,8 @@ and by optimizer update. :func:`compare_rows` then tells three cases apart:
 
 A row's fingerprint is a hash of the model's main input for that row (``input_ids``,
 ``pixel_values``, ... or the first tensor argument) without its padding: the positions an
-``attention_mask`` masks out, or else leading and trailing ``0``, ``-100`` and the model's
-``pad_token_id``. Rows that are all padding carry no data and are left out.
+``attention_mask`` masks out, or else the leading and trailing positions that hold only ``0``,
+``-100`` or the model's ``pad_token_id``. Rows that are all padding carry no data and are left out.
 """
 
 from __future__ import annotations
@@ -46,8 +46,12 @@ def _main_input(args, kwargs):
 
 
 def _strip(row: torch.Tensor, pad_values) -> torch.Tensor:
-    keep = ~torch.isin(row, torch.tensor(pad_values, dtype=row.dtype))
-    where = keep.nonzero()
+    """The row without its leading and trailing positions (along its first axis) that hold padding only."""
+    values = [v for v in pad_values if v >= 0 or row.is_floating_point() or row.is_signed()]
+    if row.ndim == 0 or row.dtype == torch.bool or not values:
+        return row
+    padding = torch.isin(row, torch.tensor(values, dtype=row.dtype)).reshape(len(row), -1).all(dim=1)
+    where = (~padding).nonzero()
     return row[int(where[0]):int(where[-1]) + 1] if len(where) else row[:0]
 
 
@@ -72,10 +76,7 @@ def row_keys(args, kwargs, pad_values=PAD_VALUES) -> list[int] | None:
     keys = []
     for i in range(data.shape[0]):
         row = data[i]
-        if masked:
-            row = row[mask[i]]
-        elif row.ndim == 1 and not row.is_floating_point():
-            row = _strip(row, pad_values)
+        row = row[mask[i]] if masked else _strip(row, pad_values)
         if row.ndim == 0 or row.numel() > 0:
             keys.append(_hash(row))
     return keys
@@ -169,7 +170,8 @@ def feeds_of(ranks: list) -> Feeds | None:
 
 @dataclass(frozen=True)
 class RowsFinding:
-    """What the rows say: ``kind`` is "other rows" (no verdict), "step boundary" or "rows repeated" (failures)."""
+    """What the rows say: ``kind`` is "other rows" (no verdict), or a failure of the training code: "step
+    boundary" (cut elsewhere), "rows repeated" (topped up from the start), "rows left out" (a window skipped)."""
 
     kind: str
     update: int  # 1-based: the first update whose rows differ
@@ -201,6 +203,11 @@ def _boundary_text(micro_batches: list, k: int) -> str:
                 f"so each window is shifted by {micro_batches[0]} (micro-batches per update: {shown}); the same rows "
                 "in the same order as the full batch, cut elsewhere. `if step % GA == 0: optimizer.step()` with step "
                 "counted from 0 does this: step when (step + 1) % GA == 0, or use accelerator.accumulate")
+    if len(set(micro_batches[:-1])) == 1 and micro_batches[0] != k:
+        return (f"step boundary off: every update trained on {micro_batches[0]} micro-batches per process where GA "
+                f"is {k}; the same rows in the same order as the full batch, cut into updates elsewhere: does the "
+                "script take GA for all processes together (and divide it by their number)? Give it the per-process "
+                "GA")
     return (f"step boundary off: the updates trained on {shown} micro-batches per process where GA is {k}; the same "
             "rows in the same order as the full batch, cut into updates elsewhere: step once after every GA-th "
             "micro-batch (and after the last, shorter window of an epoch)")
@@ -216,6 +223,9 @@ def _other_rows_text(run: Feeds, reference: Feeds, u: int, where: str) -> str:
     if len(run.updates[u]) != len(reference.updates[u]):
         cause = ("the update does not hold GA x processes x micro-batch rows: does the script divide GA by the "
                  "number of processes, or take a global batch size? Give it the per-process settings")
+    elif not Counter(reference.stream) - Counter(run.stream) and Counter(run.stream) - Counter(reference.stream):
+        cause = ("the full batch leaves out rows the run trains on: drop_last drops a remainder that depends on the "
+                 "batch size; give the check a number of rows that every batch size divides")
     elif Counter(run.stream[:end]) == Counter(reference.stream[:end]):
         cause = ("the same rows reach the updates in another order: a shuffled sampler seeded differently in the "
                  "two runs (on more than one process Accelerate gives the sampler a generator of its own, seeded "
@@ -254,7 +264,24 @@ def compare_rows(run_ranks: list, reference_ranks: list, k: int, where: str = ""
             "without targets, or set even_batches=False and step on what each process has"))
     if _cut_elsewhere(run, reference):
         return RowsFinding("step boundary", u + 1, _boundary_text(run.micro_batches, k))
+    if _left_out(run, reference):
+        return RowsFinding("rows left out", u + 1, (
+            f"rows left out{where}: from update {u + 1} on, the run never trains on rows its full batch trains on "
+            "(in the same order otherwise): a window, or a remainder, is skipped"))
     return RowsFinding("other rows", u + 1, _other_rows_text(run, reference, u, where))
+
+
+def _left_out(run: Feeds, reference: Feeds) -> bool:
+    """Each update of the run holds a stretch of the full batch's rows, in order, with some of them skipped."""
+    theirs, start, skipped = reference.stream, 0, False
+    for rows in run.updates:
+        wanted, size = Counter(rows), len(rows)
+        near = range(start, min(len(theirs) - size, start + 8 * max(size, 1)) + 1)  # a skip is a window or less
+        at = next((s for s in near if Counter(theirs[s:s + size]) == wanted), None)
+        if at is None or not rows:
+            return False
+        skipped, start = skipped or at > start, at + size
+    return skipped
 
 
 def rows_seen(ranks: list) -> bool:

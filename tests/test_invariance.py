@@ -218,7 +218,7 @@ def test_other_rows_are_said_first_and_no_accumulation_bug_is_named():
 @pytest.mark.parametrize(("rows_of", "cause"), [
     (_drawn, "other rows altogether: rows drawn at random per batch"),
     (_shuffled, "the same rows reach the updates in another order: a shuffled sampler seeded differently"),
-    (lambda u: list(range(8 * u, 8 * u + 4)), "the update does not hold GA x processes x micro-batch rows"),
+    (lambda u: _drawn(u)[:4], "the update does not hold GA x processes x micro-batch rows"),
 ])
 def test_other_rows_name_their_likely_cause(rows_of, cause):
     report = judged(sgd_run(rows=feeds(6, 4, 1, rows_of=rows_of)))
@@ -259,6 +259,20 @@ def test_rows_counted_twice_fail_as_such():
     report = judged(sgd_run(scale=lambda u: 1.3 if u == 5 else 1.0, rows=feeds(6, 4, 1, rows_of=topped_up)))
     assert report.verdict == "failed" and report.labels[0] == "rows counted twice (1 process)", str(report)
     assert "update(s) 6 trained on every row of the full batch's update and on 2 row(s) more" in report.diagnosis[0]
+
+
+def test_a_skipped_window_is_a_failure_of_the_loop_not_other_rows():
+    # The short last window of each epoch (2 rows) never trained: 10 updates where the full batch made 12.
+    def epoch(u):
+        return list(range(8 * (u % 3), 8 * (u % 3) + 8)) if u % 3 < 2 else [16, 17]
+
+    reference = sgd_run(updates=6, k=1, rows=feeds(6, 1, 1, rows_of=epoch))
+    run = sgd_run(updates=4, rows=feeds(4, 4, 1, rows_of=lambda u: epoch(u + u // 2)))
+    report = judged(run, reference)
+    assert report.verdict == "failed" and report.labels == ("updates dropped",), str(report)
+    same_count = sgd_run(updates=6, rows=feeds(6, 4, 1, rows_of=lambda u: list(range(8 * u + 2, 8 * u + 8))))
+    report = judged(same_count, sgd_run(k=1, rows=feeds(6, 1, 1)))
+    assert report.verdict == "failed" and report.labels == ("rows left out (1 process)",), str(report)
 
 
 @pytest.mark.parametrize(("run", "verdict", "head", "status"), [

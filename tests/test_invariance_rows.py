@@ -31,6 +31,16 @@ def test_a_row_has_one_fingerprint_however_far_its_batch_pads_it():
     assert row_keys((padded([[5, 9, 4]], 3),), {}) != alone  # another row
 
 
+def test_float_rows_padded_along_their_first_axis_have_one_fingerprint():
+    # lesson 04's items: float ids with a feature axis, padded with -100 (gaccum_lib.data.pad_and_stack)
+    short = torch.tensor([[[1.0], [2.0]]])
+    long = torch.tensor([[[1.0], [2.0], [-100.0], [-100.0]], [[1.0], [2.0], [3.0], [4.0]]])
+    assert row_keys((short,), {}) == row_keys((long,), {})[:1]
+    pixels = torch.zeros(1, 3, 4, dtype=torch.uint8)  # unsigned: -100 is no pad value there
+    pixels[0, 1] = 156
+    assert row_keys((pixels,), {}) == row_keys((pixels[:, 1:2],), {})  # zero rows of pixels only
+
+
 def test_rows_of_padding_only_carry_no_data_and_inputs_that_need_a_gradient_are_no_data():
     assert row_keys((padded([ROW, []], 3),), {}) == row_keys((padded([ROW], 3),), {})
     assert row_keys((torch.randn(2, 3, requires_grad=True),), {}) is None
