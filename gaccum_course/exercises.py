@@ -444,6 +444,43 @@ def _deepspeed_double_division(answer) -> Feedback:
                            "processes; compare with the full batch's loss_sum / N")
 
 
+def _bnpo_short_token_weight(answer) -> Feedback:
+    """11.1: bnpo, completions of 2 and 6 tokens, GA 2, one each a micro-batch: a short token's weight is
+    1 / (2 x GA) = 1/4 against 1/8 in the full batch, 2 times."""
+    answer = float(answer)
+    full, short, long = 1 / 8, 1 / (2 * 2), 1 / (6 * 2)  # per token: full batch 1/8; micro-batch mean / GA
+    if abs(answer - short / full) < 0.01:
+        return Feedback(True, f"correct! {short / full:g} times: its micro-batch divides by its own 2 tokens (then "
+                              f"by GA), where the full batch divides by all 8; the long completion's tokens get "
+                              f"{long / full:.2f} times theirs")
+    if abs(answer - 2 * short / full) < 0.01:
+        return Feedback(False, "not quite: bnpo's micro-batch loss is divided by GA before backward, as "
+                               "accelerator.backward does")
+    if abs(answer - long / full) < 0.01:
+        return Feedback(False, "not quite: that is a token of the long completion; the short one's micro-batch "
+                               "holds 2 tokens")
+    if abs(answer - full / short) < 0.01:
+        return Feedback(False, "not quite: the other way round; the short completion's tokens weigh more")
+    return Feedback(False, "not quite: the full batch divides the summed loss by all 8 tokens; at GA 2 each "
+                           "micro-batch divides by its own tokens, then by GA")
+
+
+def _gradcache_negatives(answer) -> Feedback:
+    """11.2: 256 pairs at GA 8: 32 pairs a micro-batch, 31 negatives each; GradCache's window loss: 255."""
+    if not isinstance(answer, tuple | list) or len(answer) != 2:
+        raise TypeError("give a pair (as_is, with_gradcache), e.g. (10, 100)")
+    as_is, cached = (int(x) for x in answer)
+    if (as_is, cached) == (31, 255):
+        return Feedback(True, "correct! 32 pairs a micro-batch leave 31 negatives each; GradCache computes the "
+                              "window's loss, with all 255 others")
+    if (as_is, cached) == (32, 256):
+        return Feedback(False, "not quite: an image's own text is its positive, not a negative")
+    if (as_is, cached) == (255, 31):
+        return Feedback(False, "not quite: the other way round; GradCache's loss sees the whole window")
+    return Feedback(False, "not quite: a micro-batch holds 256 / 8 pairs; an image's negatives are the texts of "
+                           "its batch but its own")
+
+
 CHECKS = {
     "00.2": _unscaled_factor,
     "01.1": _equal_split_exact,
@@ -464,6 +501,8 @@ CHECKS = {
     "09.2": _scheduler_steps_split_batches,
     "10.1": _fsdp_gradient_gib,
     "10.2": _deepspeed_double_division,
+    "11.1": _bnpo_short_token_weight,
+    "11.2": _gradcache_negatives,
     "12.1": _naive_overweight_at_ga16,
     "12.2": _last_update_targets,
 }

@@ -1,4 +1,4 @@
-"""Lesson 10's figures: FSDP2's gradient memory under accumulation, and the RL losses' drift.
+"""The figures of lessons 10 and 11: FSDP2's gradient memory under accumulation (10), the RL losses' drift (11).
 
 Drawn in the style of :mod:`gaccum_course.plots` (Okabe-Ito colours, a line style and marker
 per series, text of 11 pt and more); each function returns its axes so a test can read what

@@ -49,6 +49,8 @@ ANSWERS = {
     "09.2": 84,                         # split_batches: 2 epochs x ceil(ceil(1000 / 3) / 8), one step an update
     "10.1": (14.9, 1.86),               # 8e9 x 2 bytes / 2^30 unsharded, and that / 8 GPUs as a shard
     "10.2": 1 / 32,                     # / GA twice (the loop's and the engine's), and no x 2 for DDP's mean
+    "11.1": 2.0,                        # bnpo: 1/2 token / GA 2 = 1/4, against 1/8 in the full batch
+    "11.2": (31, 255),                  # 32 pairs a micro-batch at GA 8; GradCache scores the whole window
     "12.1": 4.0,                        # 1/16 against the shortest row's 14 of the update's 897 targets
     "12.2": (408, 324),                 # rows 16-21, plus rows 0 and 1 again from the plain DataLoader
 }

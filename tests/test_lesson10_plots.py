@@ -1,4 +1,5 @@
-"""Lesson 10's two figures draw the data they are given, and label only the ticks that mean something."""
+"""The figures of lessons 10 (FSDP2's gradient memory) and 11 (the RL losses' drift) draw the data they are
+given, and label only the ticks that mean something."""
 
 import matplotlib
 

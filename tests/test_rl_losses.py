@@ -1,4 +1,4 @@
-"""GRPO's loss types under gradient accumulation, measured (gaccum_lib.rl_losses; lesson 10).
+"""GRPO's loss types under gradient accumulation, measured (gaccum_lib.rl_losses; lesson 11).
 
 The figures are pinned as measured on CPU (torch 2.13, transformers 5, float32): the exact ones
 to rounding (< 1e-6), the drifting ones to 3 significant digits.

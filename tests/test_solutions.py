@@ -36,6 +36,7 @@ WRONG = {"00.2": 2, "01.1": 2.04, "01.2": 0.02, "02.1": [3, 6, 9], "03.2": [1, 2
          "07.2": ("larger", "larger"), "07.3": 34.8,
          "08.1": 0.9375, "08.2": lambda rows: _collate_without_shift_labels(rows),
          "09.1": 250, "09.2": 252, "10.1": (16, 2), "10.2": 1 / 16,  # 07.3: the slower time / GA, other work included
+         "11.1": 4, "11.2": (32, 256),
          "12.1": 0.25, "12.2": (324, 408)}
 
 
@@ -279,6 +280,45 @@ def _numbers_10():
             f"**1/{round(1 / ANSWERS['10.2'])}**", "`loss_sum x GA x P / N`"]
 
 
+def _numbers_11():
+    import torch
+
+    from gaccum_check import check_accumulation
+    from gaccum_lib import unaccumulable
+    from gaccum_lib.rl_losses import aggregate
+
+    mask = (torch.arange(8) < torch.tensor([[2], [6]])).double()  # completions of 2 and 6 tokens
+
+    def token_weights(micro_batches):  # d(update) / d(each token's loss), bnpo divided by GA
+        token_loss = torch.ones(2, 8, dtype=torch.float64, requires_grad=True)
+        for rows in micro_batches:
+            loss = aggregate("bnpo", token_loss[rows], mask[rows], max_completion_length=8)
+            (loss / len(micro_batches)).backward()
+        return token_loss.grad
+
+    full, split = token_weights([[0, 1]]), token_weights([[0], [1]])
+    short, long = float(split[0, 0] / full[0, 0]), float(split[1, 0] / full[1, 0])
+    assert short == pytest.approx(ANSWERS["11.1"])
+    negatives = (256 // 8 - 1, 256 - 1)
+    assert ANSWERS["11.2"] == negatives
+
+    def summed_step(model, optimizer, micro_batches, loss_fn, ctx):  # the lesson's loop
+        window_rows = ctx.all_reduce_sum(sum(len(b["x"]) for b in micro_batches))
+        for batch in micro_batches:
+            ctx.backward(loss_fn(model, batch)[0] * ctx.grad_accum_steps * ctx.num_processes / window_rows)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
+    rows = [{"x": x[i:i + 8], "y": x[i:i + 8].sum(1, keepdim=True)} for i in range(0, 32, 8)]
+    report = check_accumulation(summed_step, lambda: unaccumulable.norm_net("batch").eval(), rows,
+                                lambda model, b: ((model(b["x"]) - b["y"]).pow(2).sum(), len(b["x"])))
+    assert report and report.labels == ()
+    return [f"**{short:g} times**", f"1/{round(1 / float(split[1, 0]))}, {long:.2f} times theirs",
+            f"**{negatives[0]} and {negatives[1]}**", "256 / 8 = 32 pairs",
+            "**check_accumulation passed, with no label**"]
+
+
 def _numbers_12():
     from gaccum_lib.lm import tiny_lm
 
@@ -297,7 +337,7 @@ def _numbers_12():
 
 README_NUMBERS = {"00": _numbers_00, "01": _numbers_01, "02": _numbers_02, "03": _numbers_03, "04": _numbers_04,
                   "05": _numbers_05, "06": _numbers_06, "07": _numbers_07, "08": _numbers_08,
-                  "09": _numbers_09, "10": _numbers_10, "12": _numbers_12}
+                  "09": _numbers_09, "10": _numbers_10, "11": _numbers_11, "12": _numbers_12}
 
 
 def test_the_readme_numbers_cover_every_lesson():

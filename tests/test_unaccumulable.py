@@ -1,4 +1,4 @@
-"""Losses accumulation cannot reproduce, and their fixes, measured (gaccum_lib.unaccumulable; lesson 10).
+"""Losses accumulation cannot reproduce, and their fixes, measured (gaccum_lib.unaccumulable; lesson 11).
 
 The naive figures are pinned as measured on CPU (torch 2.13, float32) to 3 significant digits;
 every fix must equal the full window within 1e-6, every naive run must be off by more than 1e-2.
