@@ -111,7 +111,7 @@ notebooks: $(STAMP)
 # forks nothing below 2 GPUs, and the lessons must start real processes another way, same figures.
 # `make test` runs them so in the browser (`make browser`, below); `make colab` is the same check under
 # nbmake, for a machine without Chromium.
-COLAB_LESSONS := 04_many_processes 05_capstone_language_model 06_pitfalls_gallery 08_your_real_stack 09_schedulers_across_processes 10_past_ddp 12_capstone_further
+COLAB_LESSONS := 04_many_processes 05_capstone_language_model 06_pitfalls_gallery 08_your_real_stack 09_schedulers_across_processes 10_fsdp_and_deepspeed 12_capstone_further
 colab: $(STAMP)
 	rm -rf build/colab && mkdir -p build/colab/run build/colab/ipython/profile_default/startup
 	for lesson in $(COLAB_LESSONS); do cp notebooks/$$lesson.ipynb build/colab/run/; done

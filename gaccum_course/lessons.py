@@ -79,11 +79,14 @@ LESSONS = (
            "(128, not 125); sizing total_steps; split_batches; sync_each_batch; adjust_scheduler read as False "
            "(measured).",
            "deep dive", (45, 60), "about 9 s"),
-    Lesson("10_past_ddp.ipynb", "Past DDP: FSDP, DeepSpeed, RL losses",
-           "FSDP2 on 2 real processes equals the full batch: 3 reduce-scatters an update instead of 12, a whole "
-           "gradient held instead of a shard; DeepSpeed's own accumulation (and its clip at 1.0); which GRPO loss "
-           "types survive GA (bnpo drifts); BatchNorm, in-batch negatives and load balancing, with their fixes.",
-           "deep dive", (40, 55), "about 15 s"),
+    Lesson("10_fsdp_and_deepspeed.ipynb", "FSDP2 and DeepSpeed: accumulation when the model is sharded",
+           "Sync off between micro-batches: one reduce-scatter per update, a whole unsharded gradient held; "
+           "DeepSpeed steps at the boundary accumulate() sets (an optional extra).",
+           "deep dive", (45, 60), "about 40 s"),
+    Lesson("11_rl_and_unaccumulable_losses.ipynb", "RL losses, and the losses accumulation cannot reproduce",
+           "Which loss_type equals its own full batch under GA; BatchNorm, in-batch negatives and MoE balancing, "
+           "each with its fix.",
+           "deep dive", (45, 65), "about 18 s"),
     Lesson("12_capstone_further.ipynb", "The capstone, further",
            "The naive error grows with GA, packing hides it; the logged loss; uneven data (pad vs repeat); bf16; "
            "DeepSpeed/FSDP refused, ZeRO stages defined.",

@@ -167,12 +167,14 @@ def test_readiness_takes_colabs_own_versions():
 
 def test_readiness_takes_a_cuda_torch_without_a_gpu_and_a_lone_lesson_as_notes():
     from gaccum_course.env import readiness
+    from gaccum_course.lessons import LESSONS
 
     problems, notes = readiness(_environment_with(cuda_build="12.8", gpus=0), lessons_here=["04_many_processes.ipynb"])
     assert problems == []
     cuda, alone = notes
     assert cuda.startswith("torch is a CUDA 12.8 build and no GPU is visible: the lessons run on the CPU")
-    assert alone.startswith("10 of the 11 lessons are not in this folder (00_start_here.ipynb, 01_why_accumulate")
+    assert alone.startswith(f"{len(LESSONS) - 1} of the {len(LESSONS)} lessons are not in this folder "
+                            "(00_start_here.ipynb, 01_why_accumulate")
     assert readiness(_environment_with(), lessons_here=[f"{i:02d}" for i in range(11)])[1] != []  # names, not counts
 
 
