@@ -7,7 +7,7 @@ The reasoning behind each answer, and the answers to the discussion exercises, a
 
 
 def my_accumulation_step(model, optimizer, micro_batches, loss_fn, ctx):
-    """05.3: one update over this rank's micro-batches, as in train_causal_lm (ctx stands in for the Accelerator)."""
+    """05.2: one update over this rank's micro-batches, as in train_causal_lm (ctx stands in for the Accelerator)."""
     local = sum(int(batch["labels"][:, 1:].ne(-100).sum()) for batch in micro_batches)  # after the shift
     total = ctx.all_reduce_sum(local)  # accelerator.gather(...).sum(): the whole update's N, before any backward
     for batch in micro_batches:
@@ -37,9 +37,7 @@ ANSWERS = {
     "03.2": [1, 8, 2, 7, 3, 6, 4, 5],   # each pair of items holds 9 targets
     "04.1": 116,                        # items 4-7 (5+6+7+8) and 20-23 (21+22+23+24)
     "05.1": 1803,                       # 1835 characters in 32 rows, one target fewer per row
-    "05.2": 0.5,                        # DDP averages the 2 ranks' gradients: without x 2 the step halves
-    "05.3": my_accumulation_step,       # summed loss x GA x processes / N, N after the shift and gathered
-    "05.4": "sum_of_means",             # each micro-batch's own mean, and nothing divides by GA any more
+    "05.2": my_accumulation_step,       # summed loss x GA x processes / N, N after the shift and gathered
     "06.2": "state carried over between windows",  # a missing zero_grad shows in the second window
     "07.2": ("smaller", "larger"),      # cheaper all-reduces shrink the ratio, dearer ones grow it
     "07.3": 25.8,                       # (278.3 - 97.4) ms / (GA - 1 = 7), from gaccum_course/saved/benchmarks.json
