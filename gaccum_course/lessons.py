@@ -54,13 +54,14 @@ LESSONS = (
            "packing hides it.",
            "core", (35, 50), "about 8 s"),
     Lesson("04_many_processes.ipynb", "Many processes",
-           "x num_processes, the gathered count, no_sync, and a bare notebook_launcher run checked against the "
-           "simulator and the full batch (a short last window included).",
-           "core", (30, 40), "about 6 s"),
+           "x num_processes, the gathered count, counting before the backward passes, no_sync (all-reduces "
+           "counted), and a bare notebook_launcher run checked against the simulator and the full batch.",
+           "core", (25, 35), "about 6 s"),
     Lesson("05_capstone_language_model.ipynb", "Capstone: the recipe on a tiny language model",
            "Targets after the shift; naive vs token-normalised on 1 and 2 real processes; the take-home "
-           "train_causal_lm on 2 processes with clipping and a schedule equals the 1-process full batch.",
-           "core", (30, 55), "about 12 s"),
+           "train_causal_lm on 2 processes with clipping and a schedule equals the 1-process full batch; write the "
+           "step yourself.",
+           "core", (25, 40), "about 12 s"),
     Lesson("06_pitfalls_gallery.ipynb", "A gallery of pitfalls",
            "Nineteen ways accumulation goes wrong, indexed by number and symptom, each with cause, fix and a cell "
            "that shows it; check_accumulation catches the loop-level ones.",
