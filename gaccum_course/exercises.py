@@ -74,6 +74,64 @@ def _sync_points(answer) -> Feedback:
     return Feedback(False, "not quite: count micro-batches in groups of GA, and remember the end of the data")
 
 
+def _short_window_factor(answer) -> Feedback:
+    """02.2: 22 points, micro-batches of 2, GA 4: the last window holds 3 micro-batches, whose losses need x 4/3."""
+    import torch
+
+    from gaccum_lib.data import toy_regression
+    from gaccum_lib.sharding import split_windows
+    from gaccum_lib.simulate import simulate
+
+    factor, grad_accum_steps = float(answer), 4
+    problem = toy_regression(num_points=22)
+    windows = split_windows(problem.micro_batch_indices(2), grad_accum_steps)
+    model = problem.make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.002)
+    for window in windows:  # the plain accumulate() loop on one process: backward divides each mean by GA
+        scale = factor if window is windows[-1] else 1.0
+        for indices in window:
+            x, y = problem.batch_of(indices)
+            (torch.nn.functional.mse_loss(model(x), y) * scale / grad_accum_steps).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    full = simulate(problem, "full_batch", grad_accum_steps=grad_accum_steps, micro_batch_size=2, lr=0.002)
+    exact = grad_accum_steps / len(windows[-1])
+    weight, target = model.weight.item(), float(full.final_weights[0])
+    if abs(factor - exact) < 0.01:
+        return Feedback(True, f"correct! x {grad_accum_steps}/{len(windows[-1])}: the window's "
+                              f"{len(windows[-1])} means are averaged over {len(windows[-1])}, not "
+                              f"{grad_accum_steps}; final weight {weight:.5f}, full batch {target:.5f}")
+    if abs(factor - 1 / exact) < 0.01:
+        return Feedback(False, "not quite: the other way round; the short window's update is too small, so its "
+                               "losses must grow")
+    return Feedback(False, f"not quite: with x {factor:g} the loop ends at {weight:.5f}, the full batch at "
+                           f"{target:.5f}; backward divides each of the window's micro-batch means by GA = 4")
+
+
+def _naive_error_ga4(answer) -> Feedback:
+    """03.1: the naive loop at GA 4, micro-batches of 2 on the 8 seed sequences: its largest weight difference."""
+    from gaccum_lib.data import count_target_tokens, seed_sequences
+    from gaccum_lib.simulate import simulate
+
+    problem = seed_sequences(8)
+    targets = [count_target_tokens(problem.batch_of(ix)["labels"]) for ix in problem.micro_batch_indices(2)]
+
+    def error(ga):
+        kwargs = dict(grad_accum_steps=ga, micro_batch_size=8 // ga, lr=0.08)
+        naive, full = (simulate(problem, s, **kwargs).final_weights for s in ("mean_of_means", "full_batch"))
+        return float(np.abs(naive - full).max())
+
+    answer, actual = float(answer), error(4)
+    if abs(answer - actual) < 5e-4:
+        return Feedback(True, f"correct! {actual:.4f}: micro-batches of {', '.join(map(str, targets))} targets, "
+                              f"between GA 2's {error(2):.4f} and GA 8's {error(8):.4f}")
+    if abs(answer - error(2)) < 5e-4 or abs(answer - error(8)) < 5e-4:
+        return Feedback(False, "not quite: that is another row of the table; run simulate with grad_accum_steps=4, "
+                               "micro_batch_size=2")
+    return Feedback(False, "not quite: simulate 'mean_of_means' and 'full_batch' with grad_accum_steps=4, "
+                           "micro_batch_size=2, lr=0.08 and take the largest difference of their final weights")
+
+
 def _equal_targets_order(answer) -> Feedback:
     from gaccum_lib.data import sequences_from_lengths
     from gaccum_lib.simulate import simulate
@@ -429,6 +487,8 @@ CHECKS = {
     "01.1": _equal_split_exact,
     "01.2": _unscaled_lr,
     "02.1": _sync_points,
+    "02.2": _short_window_factor,
+    "03.1": _naive_error_ga4,
     "03.2": _equal_targets_order,
     "04.1": _rank1_count_four_processes,
     "05.1": _targets_of_32_lines,

@@ -34,6 +34,8 @@ ANSWERS = {
     "01.1": 2.3156,                     # sizes 3, 3, 2: the 2-point mean weighs as much as a 3-point one
     "01.2": 0.005,                      # 0.02 / 4: the missing division moves into the learning rate
     "02.1": [3, 6, 9, 10],              # every 3rd micro-batch, and the end of the data
+    "02.2": 4 / 3,                      # GA / micro-batches in the short window: 3 means averaged over 3
+    "03.1": 0.0230,                     # GA 4: micro-batches of 3, 7, 11, 15 targets, between GA 2 and 8
     "03.2": [1, 8, 2, 7, 3, 6, 4, 5],   # each pair of items holds 9 targets
     "04.1": 116,                        # items 4-7 (5+6+7+8) and 20-23 (21+22+23+24)
     "05.1": 1803,                       # 1835 characters in 32 rows, one target fewer per row

@@ -23,7 +23,9 @@ EXPECTED_FIGURES = {
                                     "updates after micro-batches: [4, 8, 10]",
                                     "divided by hand and by accelerator.backward: 0.51000",
                                     "full_batch        weight after each update: [0.0, 0.204, 1.36422, 2.23778]",
-                                    "mean_of_means     weight after each update: [0.0, 0.204, 1.36422, 1.801]"],
+                                    "mean_of_means     weight after each update: [0.0, 0.204, 1.36422, 1.801]",
+                                    "last update: full batch 0.87357, mean_of_means 0.43678, ratio 0.500",
+                                    "fixed loop        weight after each update: [0.0, 0.204, 1.36422, 2.23778]"],
     "08_your_real_stack.ipynb": [
         "labels per update: [294, 425]   targets after the shift: [278, 409]",
         "counts: default 294, with loss_type set 278",
@@ -44,7 +46,10 @@ EXPECTED_FIGURES = {
                                       "token-normalised (36 targets): [0.0953, 0.4337]",
                                       "mean loss over the 36 targets: {'initial': 1.1212, 'full batch': 0.8828, "
                                       "'naive': 0.9196}",
-                                      "[0.0666, 0.4623]"],
+                                      "  2 |           4 |    [0.0775, 0.4514] | 0.0178",
+                                      "  8 |           1 |    [0.0666, 0.4623] | 0.0286",
+                                      "spread 0.75: 8 updates, largest distance to the full batch: naive 1.4e-02",
+                                      "spread 0.0: 8 updates, largest distance to the full batch: naive 4.2e-08"],
     "04_many_processes.ipynb": ["rank 0: micro-batches of lengths [[1, 2, 3, 4], [9, 10, 11, 12]] -> 52 target tokens",
                                 "targets in the whole update: 136",
                                 "global count, x processes: [0.2117, 0.3172]",

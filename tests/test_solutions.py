@@ -31,7 +31,8 @@ def _collate_without_shift_labels(rows):
     return collate(rows)
 
 
-WRONG = {"00.2": 2, "01.1": 2.04, "01.2": 0.02, "02.1": [3, 6, 9], "03.2": [1, 2, 3, 4, 5, 6, 7, 8], "04.1": 52,
+WRONG = {"00.2": 2, "01.1": 2.04, "01.2": 0.02, "02.1": [3, 6, 9], "02.2": 1, "03.1": 0.0178,
+         "03.2": [1, 2, 3, 4, 5, 6, 7, 8], "04.1": 52,
          "05.1": 1835, "05.2": _naive_accumulation_step, "06.2": "no update",
          "07.2": ("larger", "larger"), "07.3": 34.8,
          "08.1": 0.9375, "08.2": lambda rows: _collate_without_shift_labels(rows),
@@ -131,14 +132,45 @@ def _numbers_01():
             f"**`lr = {unscaled_lr}`** (0.02 / {round(0.02 / unscaled_lr)})"]
 
 
+def _accumulate_loop_weight(short_window_factor: float) -> float:
+    """Lesson 02's accumulate() loop on a real Accelerator, 22 points, the short last window's losses scaled."""
+    import torch
+    from accelerate import Accelerator
+
+    from gaccum_lib import reset_accelerate_state, toy_regression
+
+    problem = toy_regression(num_points=22)
+    reset_accelerate_state(quiet=True)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
+    model = problem.make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.002)
+    loader = torch.utils.data.DataLoader(problem, batch_size=2, collate_fn=problem.collate)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    last_window_start = len(loader) // 4 * 4
+    for i, (x, y) in enumerate(loader):
+        with accelerator.accumulate(model):
+            scale = short_window_factor if i >= last_window_start else 1.0
+            accelerator.backward(torch.nn.functional.mse_loss(model(x), y) * scale)
+            optimizer.step()
+            optimizer.zero_grad()
+    weight = model.weight.item()
+    reset_accelerate_state(quiet=True)
+    return weight
+
+
 def _numbers_02():
-    from gaccum_lib import toy_regression
+    from gaccum_lib import simulate, toy_regression
     from gaccum_lib.sharding import split_windows
 
     sync_points = ANSWERS["02.1"]
     last_window = split_windows(toy_regression(num_points=22).micro_batch_indices(2), 4)[-1]
+    full = simulate(toy_regression(num_points=22), "full_batch", grad_accum_steps=4, micro_batch_size=2,
+                    lr=0.002).final_weights[0]
+    scaled, unscaled = _accumulate_loop_weight(ANSWERS["02.2"]), _accumulate_loop_weight(1.0)
+    assert scaled == pytest.approx(full, abs=1e-5)
     return [f"`{sync_points}`", ", ".join(map(str, sync_points[:-1])) + f" and {sync_points[-1]}",
-            f"(here 4 / {len(last_window)}, about {4 / len(last_window):.2f})"]
+            f"(here 4 / {len(last_window)}, about {4 / len(last_window):.2f};", "`my_factor = 4 / 3`",
+            f"full batch's w = {scaled:.5f}", f"without it at {unscaled:.5f}"]
 
 
 def _numbers_09():
@@ -186,6 +218,7 @@ def _numbers_03():
         return float(np.abs(naive - full).max())
 
     pairs, halves = targets(2), targets(4)
+    assert ANSWERS["03.1"] == pytest.approx(naive_error(4), abs=5e-5)
     fold = {5: "five"}[max(pairs) / min(pairs)]
     order = ANSWERS["03.2"]
     per_pair = {a + b for a, b in zip(order[0::2], order[1::2], strict=True)}
@@ -194,6 +227,7 @@ def _numbers_03():
             f"a {fold}-fold spread ({max(pairs)} / {min(pairs)})",
             f"{max(halves) / min(halves):.1f}-fold ({max(halves)} / {min(halves)})",
             f"{naive_error(4):.4f} against {naive_error(2):.4f} for GA = 2",
+            f"`my_distance = {ANSWERS['03.1']:.4f}`", f"below GA = 8's {naive_error(8):.4f}",
             f"`{order}`", f"each hold {per_pair.pop()} targets"]
 
 
