@@ -46,13 +46,13 @@ LESSONS = (
            "the full batch.",
            "core", (30, 45), "about 9 s"),
     Lesson("02_accelerate_does_it.ipynb", "Accelerate does it for you",
-           "Accelerator, prepare, accumulate(), backward divides by GA, sync_gradients, the short last window, "
-           "clipping.",
-           "core", (30, 40), "about 8 s"),
+           "Accelerator, prepare, accumulate(), backward divides by GA, sync_gradients, the short last window and "
+           "its fix, clipping the complete gradient.",
+           "core", (20, 30), "about 8 s"),
     Lesson("03_variable_length_trap.ipynb", "The variable-length trap",
            "Naive mean of means vs token normalisation on sequences of different lengths; the error grows with GA, "
            "packing hides it.",
-           "core", (35, 50), "about 8 s"),
+           "core", (20, 30), "about 8 s"),
     Lesson("04_many_processes.ipynb", "Many processes",
            "x num_processes, the gathered count, counting before the backward passes, no_sync (all-reduces "
            "counted), and a bare notebook_launcher run checked against the simulator and the full batch.",
