@@ -175,9 +175,9 @@ def _loss_distances(run: Run, reference: Run):
     if run.losses_from is None or reference.losses_from is None:
         return None, None, [], None
     if not losses or not reference_losses:
-        where = run if not losses else reference
-        return None, None, [], (f"no logged loss found in {where.losses_from} ({where.describe()}): the logged "
-                                "losses were not compared")
+        which = "" if not losses and not reference_losses else \
+            f" of the {'run' if not losses else 'full batch'} ({(run if not losses else reference).describe()})"
+        return None, None, [], f"no logged loss found in {run.losses_from}{which}: the logged losses were not compared"
     if len(losses) != run.updates or len(reference_losses) != reference.updates:
         return None, None, [], (
             f"the logged losses were not compared: {len(losses)} values for {run.updates} updates ({run.describe()}), "
