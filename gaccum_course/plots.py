@@ -9,7 +9,6 @@ plots once and update them in place (:mod:`gaccum_course.live_plots`).
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
-import matplotlib.ticker
 import numpy as np
 
 from .live_plots import DistanceFromReferencePlot, WeightPathPlot, WeightTrajectoriesPlot, weight_path_limits
@@ -79,20 +78,29 @@ def plot_distance_from_reference(trajectories: dict, reference, ax=None, *, floo
 
 
 def plot_memory(table: dict, ax=None):
-    """Peak memory of one update as the effective batch grows: bigger batch vs accumulation."""
+    """Peak memory of one update as the effective batch grows: bigger batch vs accumulation.
+
+    Linear axes from 0, so that growth in proportion to the batch reads as a straight line; a grey
+    band marks the weights and their gradients, the share that does not depend on the batch.
+    """
     ax = _axes(ax)
     names = {"full_batch": "one big batch", "accumulation": "accumulation (fixed micro-batch)",
              "summed_loss": "micro-batches, one backward of the summed loss"}
     styles = {"full_batch": "full_batch", "accumulation": "token_normalised", "summed_loss": "mean_of_means"}
+    first = next(iter(table.values()))[0]
+    ax.axhspan(0, (first.parameters + first.gradients) / 2**20, color="0.88", zorder=0,
+               label="weights + gradients (the same at every batch)")
+    batches = [r.effective_batch for r in next(iter(table.values()))]
     for key, rows in table.items():
-        batches = [r.effective_batch for r in rows]
-        ax.plot(batches, [r.peak / 2**20 for r in rows], label=names.get(key, key), **style_for(styles.get(key, key)))
-    ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.plot([r.effective_batch for r in rows], [r.peak / 2**20 for r in rows], label=names.get(key, key),
+                **style_for(styles.get(key, key)))
+    ax.set_xticks(batches)
+    ax.set_xlim(0, 1.04 * max(batches))
+    ax.set_ylim(0, None)
     ax.set_xlabel("effective batch size (examples per update)")
     ax.set_ylabel("peak memory of one update (MiB)")
     ax.set_title("memory: weights + gradients + activations")
-    ax.legend(loc="best")
+    ax.legend(loc="lower right")  # over the band, clear of the lines
     return ax
 
 

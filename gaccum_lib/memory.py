@@ -79,7 +79,7 @@ class SavedTensorTracker:
 
 
 def memory_demo_model(width: int = 1024, depth: int = 3, features: int = 256, seed: int = 0) -> nn.Module:
-    """An MLP wide enough that its activations dominate: the model of the memory demo."""
+    """The demo's MLP; at the defaults, 18.0 MiB of weights + gradients, 0.78 MiB of activations per 32 rows."""
     check_int("width", width, minimum=1, maximum=16384)
     check_int("depth", depth, minimum=1, maximum=32)
     check_int("features", features, minimum=1, maximum=16384)

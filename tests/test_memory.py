@@ -66,3 +66,16 @@ def test_peak_step_memory_on_an_explicit_device_is_the_same_measurement():
     default = peak_step_memory(model, 4, 3, features=16)
     explicit = peak_step_memory(model, 4, 3, features=16, device="cpu")
     assert explicit == default and explicit.peak_activations > 0
+
+
+def test_lesson_01_figures_of_the_demo_model():
+    """What lesson 01 says of its measurement: 2.4 million weights, a fixed share, activations in proportion."""
+    table = memory_table(micro_batch_size=32, accumulation_steps=(1, 2, 4, 8, 16), summed=True)
+    big, accumulated, summed = table["full_batch"], table["accumulation"], table["summed_loss"]
+    assert 2.3e6 < sum(p.numel() for p in memory_demo_model().parameters()) < 2.5e6  # "about 2.4 million"
+    assert {round((r.parameters + r.gradients) / 2**20, 1) for r in big + accumulated + summed} == {18.0}
+    assert len({r.peak for r in accumulated}) == 1  # flat
+    assert big[-1].peak_activations == 16 * big[0].peak_activations  # 16x the batch, 16x the activations
+    assert [r.peak for r in summed] == [r.peak for r in big]  # one backward of the summed loss: the big batch's
+    assert round(big[0].peak_activations / 2**20, 2) == 0.78  # memory_demo_model's docstring
+    assert big[-1].peak > 1.5 * accumulated[-1].peak
