@@ -53,15 +53,25 @@ def _equal_split_exact(answer) -> Feedback:
                            "micro_batch_size=3, lr=0.02) and read its final_weights")
 
 
-def _unscaled_lr(answer) -> Feedback:
-    from gaccum_lib.data import toy_regression
-    from gaccum_lib.simulate import simulate
+def _no_zero_grad(answer) -> Feedback:
+    import torch
 
-    weight = simulate(toy_regression(), "sum_of_means", grad_accum_steps=4, micro_batch_size=2,
-                      lr=float(answer)).final_weights[0]
-    if abs(weight - 2.04) < 1e-6:
-        return Feedback(True, "correct! lr / GA: the missing division moved into the learning rate")
-    return Feedback(False, f"not quite: with lr={answer} the unscaled loop reaches w = {weight:.4f}, not 2.04")
+    from gaccum_lib.data import toy_regression
+
+    problem = toy_regression()
+    model = problem.make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
+    micro_batches = [problem.batch_of(ix) for ix in problem.micro_batch_indices(micro_batch_size=2)]
+    for _ in range(2):  # two updates, no zero_grad() between them
+        for x, y in micro_batches:
+            (torch.nn.functional.mse_loss(model(x), y) / len(micro_batches)).backward()
+        optimizer.step()
+    weight = model.weight.item()
+    if abs(float(answer) - weight) < 1e-4:
+        return Feedback(True, f"correct! w = {weight:.4f}: .grad still held the first update's gradient, and the "
+                              "second update added its own to it")
+    return Feedback(False, "not quite: run the plain loop twice on one model and one optimizer, with no zero_grad() "
+                           "in between, and read model.weight")
 
 
 def _sync_points(answer) -> Feedback:
@@ -485,7 +495,7 @@ def _gradcache_negatives(answer) -> Feedback:
 CHECKS = {
     "00.2": _unscaled_factor,
     "01.1": _equal_split_exact,
-    "01.2": _unscaled_lr,
+    "01.2": _no_zero_grad,
     "02.1": _sync_points,
     "02.2": _short_window_factor,
     "03.1": _naive_error_ga4,

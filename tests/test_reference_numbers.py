@@ -75,3 +75,15 @@ def test_naive_drifts_further_from_full_batch_as_ga_grows():
               for ga in (1, 2, 4, 8)]
     assert errors[0] < EXACT
     assert errors[1] < errors[2] < errors[3]
+
+
+def test_toy_regression_loss_sum_and_count_is_the_mean_squared_error():
+    """Lesson 00 divides loss_sum_and_count's sum by its count: that is torch's mean squared error."""
+    import torch
+
+    problem = toy_regression()
+    model = problem.make_model()
+    x_all, y_all = problem.batch_of(range(8))
+    loss_sum, n = problem.loss_sum_and_count(model, (x_all, y_all))
+    assert n == 8
+    assert torch.isclose(loss_sum / n, torch.nn.functional.mse_loss(model(x_all), y_all))

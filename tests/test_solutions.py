@@ -31,7 +31,7 @@ def _collate_without_shift_labels(rows):
     return collate(rows)
 
 
-WRONG = {"00.2": 2, "01.1": 2.04, "01.2": 0.02, "02.1": [3, 6, 9], "02.2": 1, "03.1": 0.0178,
+WRONG = {"00.2": 2, "01.1": 2.04, "01.2": 1.9992, "02.1": [3, 6, 9], "02.2": 1, "03.1": 0.0178,
          "03.2": [1, 2, 3, 4, 5, 6, 7, 8], "04.1": 52,
          "05.1": 1835, "05.2": _naive_accumulation_step, "06.2": "no update",
          "07.2": ("larger", "larger"), "07.3": 34.8,
@@ -117,19 +117,36 @@ def _numbers_00():
 
 
 def _numbers_01():
+    import torch
+
     from gaccum_lib import simulate, toy_regression
 
     problem = toy_regression()
     runs = {s: simulate(problem, s, grad_accum_steps=3, micro_batch_size=3, lr=0.02).final_weights[0]
             for s in ("mean_of_means", "full_batch")}
     ga, last_size = 3, len(problem.micro_batch_indices(3)[-1])
-    unscaled_lr = ANSWERS["01.2"]
-    assert simulate(problem, "sum_of_means", grad_accum_steps=4, micro_batch_size=2,
-                    lr=unscaled_lr).final_weights[0] == pytest.approx(runs["full_batch"])
+    model = problem.make_model()  # exercise 2: two updates of the plain loop, no zero_grad() between them
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
+    weights, gradients = [], []
+    for _ in range(2):
+        for indices in problem.micro_batch_indices(2):
+            x, y = problem.batch_of(indices)
+            (torch.nn.functional.mse_loss(model(x), y) / 4).backward()
+        gradients.append(model.weight.grad.item())  # what .grad holds at the step
+        optimizer.step()
+        weights.append(model.weight.item())
+    with_zero_grad = simulate(problem, "mean_of_means", grad_accum_steps=4, micro_batch_size=2, lr=0.02,
+                              epochs=2).weights[2, 0]
+    assert weights[1] == pytest.approx(ANSWERS["01.2"], abs=1e-4)
+    own = gradients[1] - gradients[0]
     return [f"`my_weight = {ANSWERS['01.1']}`", f"by 1/{ga}", f"the {last_size} points",
             f"1/{ga * last_size} each instead of 1/{len(problem)}",
             f"w = {runs['mean_of_means']:.4f} against the full batch's {runs['full_batch']:.4f}",
-            f"**`lr = {unscaled_lr}`** (0.02 / {round(0.02 / unscaled_lr)})"]
+            f"w = {weights[1]:.4f}** (`my_weight_2 = {ANSWERS['01.2']}`), against {with_zero_grad:.4f} with it",
+            f"the first update's gradient, {gradients[0]:.0f}, when the second update adds its own, {own:.2f}",
+            f"at w = {weights[0]:.2f} the gradient is {own / (weights[0] - 2):.0f} × (w - 2)",
+            f"0.02 × {-gradients[1]:.2f} = {weights[1] - weights[0]:.4f} forward instead of "
+            f"{weights[0] - with_zero_grad:.4f} back"]
 
 
 def _accumulate_loop_weight(short_window_factor: float) -> float:
