@@ -40,11 +40,11 @@ class Lesson:
 LESSONS = (
     Lesson("00_start_here.ipynb", "Start here",
            "Check the environment, see the path through the suite, test the idea of accumulation on a toy.",
-           "core", (15, 25), "about 6 s"),
+           "core", (10, 15), "about 6 s"),
     Lesson("01_why_accumulate.ipynb", "Why accumulate",
-           "Memory measured; the plain loop; why each loss is divided by GA and what forgetting it does; equal to "
-           "the full batch.",
-           "core", (30, 45), "about 9 s"),
+           "Memory measured (activations grow with the batch, accumulation's stay flat); the plain loop; why each "
+           "loss is divided by GA and what forgetting it does; equal to the full batch.",
+           "core", (20, 30), "about 9 s"),
     Lesson("02_accelerate_does_it.ipynb", "Accelerate does it for you",
            "Accelerator, prepare, accumulate(), backward divides by GA, sync_gradients, the short last window and "
            "its fix, clipping the complete gradient.",
