@@ -34,6 +34,7 @@ EXPECTED_FIGURES = {
     "08_your_real_stack.ipynb": [
         "labels per update: [294, 425]   targets after the shift: [278, 409]",
         "counts: default 294, with loss_type set 278",
+        "true gradient's norm 2.31: clipped to 1",  # the prose quotes it: clipping would bind
         "GPT-2's update with the default count is 0.94558 of the true one; targets / labels = 278/294 = 0.94558",
         "2 processes, GA 4 x 2 rows ",
         "weights torch.float32  gradients torch.float32",
