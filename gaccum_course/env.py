@@ -10,7 +10,8 @@ from importlib import metadata
 
 from gaccum_launch import gpu_count
 
-PACKAGES = ("torch", "accelerate", "transformers", "numpy", "matplotlib", "ipywidgets", "jupyterlab", "nbmake")
+# What a learner's lessons import (JupyterLab and nbmake run the notebooks; they are not a lesson's business).
+PACKAGES = ("torch", "accelerate", "transformers", "numpy", "matplotlib", "ipywidgets")
 
 #: The oldest release of each package the lessons run with, who needs it, and why (pyproject.toml has the same floors).
 MINIMUMS = {
@@ -106,6 +107,6 @@ def readiness(env: Environment, lessons_here=None) -> tuple[list[str], list[str]
 
         missing = [lesson.notebook for lesson in LESSONS if lesson.notebook not in set(lessons_here)]
         if missing:
-            notes.append(f"{len(missing)} of the {len(LESSONS)} lessons are not in this folder ({', '.join(missing)}): "
-                         "each runs on its own; clone the repository (or download the notebooks folder) for the rest.")
+            notes.append(f"{len(missing)} of the {len(LESSONS)} lessons are not in this folder: each runs on its own; "
+                         "clone the repository for the rest.")
     return problems, notes

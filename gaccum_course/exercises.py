@@ -49,8 +49,12 @@ def _equal_split_exact(answer) -> Feedback:
     if abs(float(answer) - plain.final_weights[0]) < 1e-4:
         return Feedback(True, f"correct! plain w = {plain.final_weights[0]:.4f}, full batch w = "
                               f"{full.final_weights[0]:.4f}: the 2-point micro-batch weighs as much as a 3-point one")
-    return Feedback(False, "not quite: run simulate(toy_regression(), 'mean_of_means', grad_accum_steps=3, "
-                           "micro_batch_size=3, lr=0.02) and read its final_weights")
+    default_lr = simulate(problem, "mean_of_means", grad_accum_steps=3, micro_batch_size=3).final_weights[0]
+    if abs(float(answer) - default_lr) < 1e-4:
+        return Feedback(False, "not quite: that is the weight at simulate's default learning rate; "
+                               "the lesson's is 0.02")
+    return Feedback(False, "not quite: check the learning rate you passed to simulate (the lesson's is 0.02), and "
+                           "read the plain loop's final_weights")
 
 
 def _no_zero_grad(answer) -> Feedback:
@@ -72,16 +76,6 @@ def _no_zero_grad(answer) -> Feedback:
                               "second update added its own to it")
     return Feedback(False, "not quite: run the plain loop twice on one model and one optimizer, with no zero_grad() "
                            "in between, and read model.weight")
-
-
-def _sync_points(answer) -> Feedback:
-    from gaccum_lib.sharding import split_windows
-
-    windows = split_windows(list(range(10)), 3)  # 20 points in micro-batches of 2: 10 micro-batches
-    actual = list(np.cumsum([len(w) for w in windows]))
-    if [int(a) for a in answer] == actual:
-        return Feedback(True, "correct! every 3rd micro-batch, and the end of the data forces the last sync")
-    return Feedback(False, "not quite: count micro-batches in groups of GA, and remember the end of the data")
 
 
 def _short_window_factor(answer) -> Feedback:
@@ -107,10 +101,13 @@ def _short_window_factor(answer) -> Feedback:
     full = simulate(problem, "full_batch", grad_accum_steps=grad_accum_steps, micro_batch_size=2, lr=0.002)
     exact = grad_accum_steps / len(windows[-1])
     weight, target = model.weight.item(), float(full.final_weights[0])
-    if abs(factor - exact) < 0.01:
+    if abs(factor - exact) < 1e-4:
         return Feedback(True, f"correct! x {grad_accum_steps}/{len(windows[-1])}: the window's "
                               f"{len(windows[-1])} means are averaged over {len(windows[-1])}, not "
                               f"{grad_accum_steps}; final weight {weight:.5f}, full batch {target:.5f}")
+    if abs(factor - exact) < 0.01:
+        return Feedback(False, f"close: x {factor:g} ends at {weight:.5f}, the full batch at {target:.5f}; give the "
+                               "factor exactly (as a fraction) or to 4 decimals")
     if abs(factor - 1 / exact) < 0.01:
         return Feedback(False, "not quite: the other way round; the short window's update is too small, so its "
                                "losses must grow")
@@ -496,7 +493,6 @@ CHECKS = {
     "00.2": _unscaled_factor,
     "01.1": _equal_split_exact,
     "01.2": _no_zero_grad,
-    "02.1": _sync_points,
     "02.2": _short_window_factor,
     "03.1": _naive_error_ga4,
     "03.2": _equal_targets_order,

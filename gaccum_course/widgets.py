@@ -131,7 +131,7 @@ def variable_length_explorer(*, strict: bool = False, num_sequences: int = 64) -
                 "spread": _fslider("length spread", 0.75, 0.0, 1.0, 0.05),
                 "lr": _fslider("learning rate", 0.05, 0.01, 0.1, 0.01),
                 # More passes over the same data: more updates, and more room for the naive run to drift.
-                "epochs": _slider("epochs (number of updates)", 1, 1, 4)}
+                "epochs": _slider("epochs", 1, 1, 4)}
     explorer = Explorer(controls, compute, Drawing(build, update), summarize=summarize, strict=strict,
                         title="Variable-length sequences: naive vs token-normalised")
     explorer.simulations, explorer.corpora = run, corpus
