@@ -17,7 +17,7 @@ update and the printed losses (gaccum's docs/check_accumulation.md):
     gaccum-check invariance -- python train_causal_lm.py --cpu \
         --grad_accum_steps {grad_accum_steps} --micro_batch_size {micro_batch_size}
 
-Lesson 05 of gaccum goes through `train_causal_lm` line by line; its comments say why each line is there.
+Lesson 05 of gaccum shows `train_causal_lm` and sums up each line's reason; the comments here give them too.
 It is written for one device and for DDP, in float32 or bf16/fp16 autocast; under DeepSpeed, FSDP or another
 backend it stops and says why (`check_backend`).
 """
@@ -132,8 +132,9 @@ def check_backend(accelerator):
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         raise RuntimeError(
             "DeepSpeed is not supported by this loop: under DeepSpeed `accelerator.backward` steps the engine whenever "
-            "`accelerator.sync_gradients` is True, and this loop (no_sync, never accumulate()) keeps it True: ZeRO 2 "
-            "and 3 would step after every micro-batch, and ZeRO 0 and 1 refuse no_sync. DeepSpeed accumulates itself.")
+            "`accelerator.sync_gradients` is True, which this loop (never accumulate()) keeps: at ZeRO 0 and 1 that "
+            "step falls inside the engine's no_sync, which forbids it; at ZeRO 2 and 3 (the engine's no_sync refuses "
+            "them) Accelerate's no_sync does nothing: a step every micro-batch. DeepSpeed accumulates itself.")
     if accelerator.distributed_type not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
         raise RuntimeError(
             f"{accelerator.distributed_type.value} is not supported by this loop, which is written for one device and "

@@ -65,6 +65,7 @@ EXPECTED_FIGURES = {
                                 "every_step     all-reduces per update [4, 4, 4, 4]:",
                                 "backward_only  all-reduces per update [4, 4, 4, 4]:"],
     "05_capstone_language_model.ipynb": [
+        "14993 weights, dtype torch.float64",  # the prose: the distance is over all 14,993 weights
         "labels that are not padding: 149; targets after the shift: 146",
         "targets of the first update, rank 0 and rank 1: [521, 376] of 897",
         "accelerate (DistributedType.MULTI_CPU, 2 process(es))",
