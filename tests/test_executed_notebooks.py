@@ -122,7 +122,7 @@ EXPECTED_FIGURES = {
         "gradient elements held after each backward of the first window [369, 369, 369, 193]",
         "('DistributedType.MULTI_CPU', 'DistributedDataParallel')",
         "accumulate()'s sync_gradients: 4 updates",
-        "sync_gradients always True (a loop that uses no_sync): 16 updates",
+        "sync_gradients always True (as under ZeRO 2/3, where no_sync does nothing): 16 updates",
         "rank 0 of 2 failed with AssertionError: It is illegal to call Engine.step() inside no_sync context manager"],
     "11_rl_and_unaccumulable_losses.ipynb": [
         "(1, 2): '0.251', (2, 1): '0.251'", "(8, 2): '0.883'",

@@ -91,3 +91,35 @@ def test_deepspeed_clips_to_norm_1_unless_told_so_the_config_says():
     assert config["train_micro_batch_size_per_gpu"] == 2
     with pytest.raises(ValueError, match="grad_accum_steps"):
         deepspeed_config(0, 2)
+
+
+def _rank0_shards(widths):
+    from accelerate.state import PartialState
+    from torch.distributed.fsdp import fully_shard
+
+    state = PartialState(cpu=True)
+    held = {}
+    for width in widths:
+        model = regression_mlp(width)
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        x, y = regression_rows(4)
+        (model(x).squeeze(-1) - y).pow(2).sum().backward()  # sync on: each rank keeps its shard
+        held[width] = gradient_elements_held(model)
+    return state.process_index, held
+
+
+@pytest.mark.real
+def test_lesson_10s_memory_plot_rank_0_holds_the_rounded_up_half_of_each_parameter():
+    # Lesson 10 measures widths 8 to 64 and states "about half" (within 5 %): the exact rule, ceil(rows / 2) rows
+    # of each parameter on rank 0, so the last layer's single row stays whole: w^2 / 2 + 4w + 1 of w^2 + 7w + 1.
+    widths = (8, 16, 32, 64)
+    rank, held = launch(_rank0_shards, (widths,), num_processes=2, quiet=True)[0]
+    assert rank == 0
+    for w in widths:
+        size = sum(p.numel() for p in regression_mlp(w).parameters())
+        assert size == w * w + 7 * w + 1
+        assert held[w] == {"sharded": w * w // 2 + 4 * w + 1, "unsharded": 0}
+        assert 0.5 <= held[w]["sharded"] / size < 0.55

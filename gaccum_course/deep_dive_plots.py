@@ -1,4 +1,4 @@
-"""The figures of lessons 10 and 11: FSDP2's gradient memory under accumulation (10), the RL losses' drift (11).
+"""The figures of deep dives 10 and 11: FSDP2's gradient memory under accumulation (10), the RL losses' drift (11).
 
 Drawn in the style of :mod:`gaccum_course.plots` (Okabe-Ito colours, a line style and marker
 per series, text of 11 pt and more); each function returns its axes so a test can read what
@@ -24,8 +24,10 @@ def plot_fsdp_gradient_memory(sizes: dict, measured: dict, *, process_counts=(2,
     """Gradient elements one process holds between micro-batches, against the model's size.
 
     ``sizes`` maps a label (the width) to the model's number of weights; ``measured`` maps the
-    same labels to ``(unsharded, sharded)`` elements measured on 2 processes. Lines: the rule
-    (sync off: the whole gradient, whatever P; sync on: 1/P of it), markers: the measurement.
+    same labels to ``(unsharded, sharded)`` elements measured on 2 processes: after a window's
+    first micro-batch (sync off) and after its last (sync on). Lines: the rule (sync off: the
+    whole gradient, whatever P; sync on: 1/P of it), markers: the measurement. The x axis labels
+    each model size.
     """
     if set(sizes) != set(measured) or not sizes:
         raise ValueError("sizes and measured must have the same, non-empty, keys (one per model size)")
@@ -38,12 +40,13 @@ def plot_fsdp_gradient_memory(sizes: dict, measured: dict, *, process_counts=(2,
         ax.plot(weights, [n / p for n in weights], color=OKABE_ITO["blue"], linestyle=style, linewidth=2,
                 label=f"sync on every micro-batch, P={p}: a 1/{p} shard")
     ax.plot([sizes[k] for k in sizes], [measured[k][0] for k in sizes], "s", color=OKABE_ITO["vermillion"],
-            markersize=8, label="measured, sync off, P=2")
+            markersize=8, label="measured, P=2: after a first micro-batch (sync off)")
     ax.plot([sizes[k] for k in sizes], [measured[k][1] for k in sizes], "o", color=OKABE_ITO["blue"],
-            markersize=8, label="measured, sync on, P=2")
+            markersize=8, label="measured, P=2: after a last micro-batch (sync on)")
     ax.set(xscale="log", yscale="log", xlabel="weights in the model",
            ylabel="gradient elements held per process",
            title="FSDP2: what accumulating without sync costs in memory")
+    ax.set_xticks(weights, [f"{n:,}" for n in weights])  # each model size, not only the powers of ten between
     ax.xaxis.set_minor_formatter(NullFormatter())  # labelled minor ticks (3x10^2, 4x10^2, ...) run together
     legend_below(ax.figure, ax, ncol=2)
     return ax

@@ -9,7 +9,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from gaccum_course.lesson10_plots import plot_fsdp_gradient_memory, plot_rl_drift  # noqa: E402
+from gaccum_course.deep_dive_plots import plot_fsdp_gradient_memory, plot_rl_drift  # noqa: E402
 
 ROWS = [{"loss_type": t, "grad_accum_steps": g, "num_processes": p, "distance": d}
         for p in (1, 2) for g in (1, 2, 4, 8)
@@ -42,6 +42,7 @@ def test_fsdp_memory_draws_the_rule_and_the_measurements():
     np.testing.assert_allclose(lines[1].get_ydata(), [50, 200])  # sync on, P=2: half
     np.testing.assert_array_equal(lines[-2].get_ydata(), [100, 400])  # measured, unsharded
     np.testing.assert_array_equal(lines[-1].get_ydata(), [52, 201])  # measured, sharded
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["100", "400"]  # each size labelled
     assert _minor_labels(ax) == []
     plt.close("all")
 
