@@ -26,13 +26,15 @@ RELEASE = "gaccum_lib @ git+https://github.com/gaccum/gaccum@v0.1.0"
 
 INSTALL_CELL = f'''\
 # Colab, Kaggle, a JupyterHub: install what the lessons need (in `make lab`'s kernel, nothing).
+import importlib.metadata
 import importlib.util
 import os
 import subprocess
 import sys
 
 if importlib.util.find_spec("gaccum_lib") is None:
-    pip = [sys.executable, "-m", "pip", "install", "--quiet"]
+    # only-if-needed: a torch, accelerate, transformers or ipywidgets the suite accepts stays as it is
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--upgrade-strategy", "only-if-needed"]
     if importlib.util.find_spec("torch") is None:  # no torch at all: the CPU build; a CUDA torch stays as it is
         torch = os.environ.get("GACCUM_TORCH", "torch --index-url https://download.pytorch.org/whl/cpu")
         subprocess.run(pip + torch.split(), check=True)
@@ -40,6 +42,10 @@ if importlib.util.find_spec("gaccum_lib") is None:
     print("installing", source)
     subprocess.run(pip + [source], check=True)  # fails with pip's reason; else clone and `make lab` (README)
     importlib.invalidate_caches()
+if "google.colab" in sys.modules and not importlib.metadata.version("ipywidgets").startswith("7."):
+    from google.colab import output  # Colab shows ipywidgets 8's widgets only with its own widget manager
+
+    output.enable_custom_widget_manager()
 import gaccum_lib
 
 print("gaccum_lib", gaccum_lib.__version__, "from", os.path.dirname(gaccum_lib.__file__))'''

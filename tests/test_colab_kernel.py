@@ -199,3 +199,31 @@ def test_launch_from_notebook_names_a_bad_process_count():
 
     with pytest.raises(ValueError, match="num_processes"):
         launch_from_notebook(print, num_processes=0)
+
+
+@pytest.mark.parametrize(("widgets", "turned_on"), [("8.1.9", True), ("7.7.1", False)])
+def test_the_install_cell_turns_on_colabs_widget_manager_only_for_ipywidgets_8(monkeypatch, widgets, turned_on):
+    # Colab's frontend shows ipywidgets 8's widgets only once its custom widget manager is on; 7.7.1 (what
+    # Colab ships) needs nothing. A stand-in google.colab records the call; the suite is installed here.
+    import importlib.machinery
+    import importlib.metadata
+    import types
+
+    import gaccum_lib  # noqa: F401 -- imported before the stand-in exists, as the cell finds it on Colab
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from install_cell import INSTALL_CELL
+    finally:
+        sys.path.pop(0)
+    calls = []
+    colab = types.ModuleType("google.colab")
+    colab.__spec__ = importlib.machinery.ModuleSpec("google.colab", None)
+    colab.output = types.SimpleNamespace(enable_custom_widget_manager=lambda: calls.append("on"))
+    monkeypatch.setitem(sys.modules, "google", types.ModuleType("google"))
+    monkeypatch.setitem(sys.modules, "google.colab", colab)
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: widgets if name == "ipywidgets" else real_version(name))
+    exec(compile(INSTALL_CELL, "install cell", "exec"), {})
+    assert calls == (["on"] if turned_on else [])
