@@ -65,11 +65,11 @@ LESSONS = (
     Lesson("06_pitfalls_gallery.ipynb", "A gallery of pitfalls",
            "Nineteen ways accumulation goes wrong, indexed by number and symptom, each with cause, fix and a cell "
            "that shows it; check_accumulation catches the loop-level ones.",
-           "reference", (80, 100), "about 11 s"),
+           "reference", (60, 77), "about 11 s"),
     Lesson("07_benchmarks.ipynb", "What it costs and saves, measured",
            "Saved make-bench results: token normalisation's cost, accumulation's time cost, no_sync's saving, "
            "flat memory, speeds.",
-           "deep dive", (25, 40), "about 6 s"),
+           "deep dive", (22, 48), "about 6 s"),
     Lesson("08_your_real_stack.ipynb", "Your real stack: transformers, the Trainer, AdamW, bf16",
            "GPT-2 and Llama from configs: naive vs num_items_in_batch (weights and logged loss); the Trainer's GA "
            "equals its full batch on 1 and 2 real processes, but counts GPT-2's labels before the shift; AdamW "
