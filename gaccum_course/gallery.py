@@ -64,4 +64,19 @@ def notebook_launcher_results(function, args=(), *, num_processes: int = 2, fres
     return sorted(queue.get(timeout=QUEUE_TIMEOUT) for _ in range(num_processes))
 
 
-__all__ = ["notebook_launcher_results"]
+def notebook_launcher_refusal(function, *, num_processes: int = 2) -> str | None:
+    """Pitfall 14: launch ``function`` with ``notebook_launcher`` while this kernel's ``Accelerator`` stays.
+
+    Returns the ``ValueError`` message ``notebook_launcher`` refuses with, or ``None``, after saying why,
+    where it starts no process (a Colab kernel below 2 GPUs runs ``function`` once, in the kernel).
+    """
+    try:
+        ran = notebook_launcher_results(function, num_processes=num_processes, fresh=False)
+    except ValueError as refusal:
+        return str(refusal)
+    if ran is not None:
+        raise AssertionError("expected notebook_launcher to refuse: an Accelerator exists in this kernel")
+    return None
+
+
+__all__ = ["notebook_launcher_refusal", "notebook_launcher_results"]

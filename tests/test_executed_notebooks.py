@@ -92,6 +92,7 @@ EXPECTED_FIGURES = {
         "check_accumulation passed", "FAILED: loss divided by GA twice", "update / full-batch update: {'GA=4': 0.25, "
         "'GA=2': 0.5}", "FAILED: mean of micro-batch means",
         "update's distance to the full batch's, relative: {'GA=2': 0.17, 'GA=4': 0.226, 'GA=8': 0.242}",
+        "2 processes at GA 2: 0.226, as 1 process at GA 4",
         "FAILED: token count not gathered across ranks", "each rank's count: [52, 84] of 136",
         "FAILED: missing x num_processes", "targets after the shift 390, before 398: the update is 0.9799x",
         "FAILED: optimizer stepped on every micro-batch",
@@ -105,6 +106,7 @@ EXPECTED_FIGURES = {
         "rank 0 of 2 failed with AttributeError",
         "notebook_launcher, each process's (rank, processes): [(0, 1), (0, 1)]",
         "gaccum_lib.launch, each process's (rank, processes): [(0, 2), (1, 2)]",
+        "its state was reset",
         "gaccum_lib.launch after a reset: [0.2117, 0.3172]", "threads: kernel 2, launched processes [1, 1]",
         "accumulate updates that moved the weights: 1 of 4",
         "4 micro-batches, 1 update: w = 4.08000 (correct: 2.04000)",

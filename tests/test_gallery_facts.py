@@ -67,3 +67,15 @@ def test_the_gallery_launch_starts_nothing_where_notebook_launcher_would_not_for
     monkeypatch.setattr(gaccum_launch, "gpu_count", lambda: 1)  # pitfall 13 needs a machine without GPUs
     assert notebook_launcher_results(must_not_run, needs_no_gpu=True) is None
     assert "this machine has a GPU" in capsys.readouterr().out
+
+
+def test_the_refusal_helper_says_nothing_to_show_where_notebook_launcher_would_not_fork(monkeypatch, capsys):
+    import gaccum_launch
+    from gaccum_course.gallery import notebook_launcher_refusal
+
+    def must_not_run():
+        raise AssertionError("launched")
+
+    monkeypatch.setattr(gaccum_launch, "notebook_launcher_forks", lambda: False)  # a Colab kernel below 2 GPUs
+    assert notebook_launcher_refusal(must_not_run) is None
+    assert "nothing to show here" in capsys.readouterr().out
