@@ -147,13 +147,14 @@ def plot(results: dict, path: Path | None = None):
     if "time_cost" in results:
         packed = results["time_cost"]["packed"]["over_big_batch"]
         largest = max(packed, key=int)
-        ratios[f"GA {largest} micro-batches\n/ one big batch"] = packed[largest]
+        ratios[f"GA {largest}\nmicro-batches\n/ one big batch"] = packed[largest]
     if "allreduce" in results:
-        ratios["sync every\nmicro-batch / no_sync"] = results["allreduce"]["every_micro_batch_over_no_sync"]
+        ratios["sync every\nmicro-batch\n/ no_sync"] = results["allreduce"]["every_micro_batch_over_no_sync"]
     if ratios:
         axes[1, 1].bar(list(ratios), list(ratios.values()), color=plots.OKABE_ITO["green"])
         axes[1, 1].axhline(1, color="0.4")
         axes[1, 1].set(ylabel="time ratio", title="what the methods cost")
+        axes[1, 1].tick_params(axis="x", labelsize="small")  # three labels of up to three lines: no overlap
     if path is not None:
         fig.savefig(path, dpi=80)
     return fig

@@ -203,7 +203,7 @@ def _allreduce_cost_model() -> tuple[float, float, int]:
 
 def _allreduce_ratio_directions(answer) -> Feedback:
     if isinstance(answer, str) or len(answer) != 2:
-        raise ValueError("give two words, NVLink first, then 2 machines, e.g. ('larger', 'larger')")
+        raise ValueError("give two words, the 10x faster link first, then the 10x slower, e.g. ('larger', 'larger')")
     words = [str(a).strip().lower() for a in answer]
     if not set(words) <= {"larger", "smaller"}:
         raise ValueError("each answer must be 'larger' or 'smaller'")
@@ -500,8 +500,8 @@ CHECKS = {
     "05.1": _targets_of_32_lines,
     "05.2": _lm_accumulation_step,
     "06.2": _missing_zero_grad_label,
-    "07.2": _allreduce_ratio_directions,
-    "07.3": _allreduce_ms,
+    "07.2": _allreduce_ms,
+    "07.3": _allreduce_ratio_directions,
     "08.1": _gpt2_trainer_fraction,
     "08.2": _collate_with_shift_labels,
     "09.1": _scheduler_steps_three_processes,

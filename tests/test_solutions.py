@@ -34,9 +34,9 @@ def _collate_without_shift_labels(rows):
 WRONG = {"00.2": 2, "01.1": 2.04, "01.2": 1.9992, "02.2": 1, "03.1": 0.0178,
          "03.2": [1, 2, 3, 4, 5, 6, 7, 8], "04.1": 52,
          "05.1": 1835, "05.2": _naive_accumulation_step, "06.2": "no update",
-         "07.2": ("larger", "larger"), "07.3": 34.8,
+         "07.2": 34.8, "07.3": ("larger", "larger"),
          "08.1": 0.9375, "08.2": lambda rows: _collate_without_shift_labels(rows),
-         "09.1": 250, "09.2": 252, "10.1": (16, 2), "10.2": 1 / 16,  # 07.3: the slower time / GA, other work included
+         "09.1": 250, "09.2": 252, "10.1": (16, 2), "10.2": 1 / 16,  # 07.2: the slower time / GA, other work included
          "11.1": 4, "11.2": (32, 256),
          "12.1": 0.25, "12.2": (324, 408)}
 
@@ -70,8 +70,8 @@ def test_a_wrong_answer_is_rejected_with_a_hint(exercise):
 def test_no_answer_and_nonsense_answers():
     assert check("03.2", None, quiet=True).message.startswith("no answer yet")
     assert check("04.1", "many", quiet=True).message.startswith("that answer cannot be checked")
-    assert check("07.2", "smaller", quiet=True).message.startswith("that answer cannot be checked")
-    assert check("07.2", ("smaller", "faster"), quiet=True).message.startswith("that answer cannot be checked")
+    assert check("07.3", "smaller", quiet=True).message.startswith("that answer cannot be checked")
+    assert check("07.3", ("smaller", "faster"), quiet=True).message.startswith("that answer cannot be checked")
     assert check("05.2", 3, quiet=True).message.startswith("that answer cannot be checked: give your function")
     with pytest.raises(ValueError, match="exercise must be one of"):
         check("99.9", 1)
@@ -291,13 +291,13 @@ def _numbers_07():
         return (rest + ga * allreduce_ms) / (rest + allreduce_ms)
 
     assert ratio(one) == pytest.approx(allreduce["every_micro_batch_over_no_sync"])
-    assert ANSWERS["07.3"] == pytest.approx(one, rel=0.02)
-    nvlink, two_machines = ANSWERS["07.2"]
+    assert ANSWERS["07.2"] == pytest.approx(one, rel=0.02)
+    nvlink, two_machines = ANSWERS["07.3"]
     return [f'`my_directions = ("{nvlink}", "{two_machines}")`',
             f"({rest:.1f} ms of other work, {one:.1f} ms per all-reduce, GA = {ga})",
             f"the measured {ratio(one):.2f} becomes {ratio(one / 10):.2f} if every all-reduce is 10 times faster",
             f"and {ratio(one * 10):.2f} if it is 10 times slower",
-            f"**About {one:.1f} ms per all-reduce** (`my_allreduce_ms = {ANSWERS['07.3']}`)",
+            f"**About {one:.1f} ms per all-reduce** (`my_allreduce_ms = {ANSWERS['07.2']}`)",
             f"{without:.1f} ms without `no_sync` and {with_no_sync:.1f} ms with it",
             f"differ by GA - 1 = {ga - 1} all-reduces", f"({without:.1f} - {with_no_sync:.1f}) / {ga - 1} ms",
             f"Dividing {without:.1f} ms by {ga} ({without / ga:.1f} ms)"]
