@@ -69,7 +69,7 @@ LESSONS = (
     Lesson("07_benchmarks.ipynb", "What it costs and saves, measured",
            "Saved make-bench results: token normalisation's cost, accumulation's time cost, no_sync's saving, "
            "flat memory, speeds.",
-           "deep dive", (22, 48), "about 6 s"),
+           "deep dive", (22, 40), "about 6 s"),
     Lesson("08_your_real_stack.ipynb", "Your real stack: transformers, the Trainer, AdamW, bf16",
            "GPT-2 and Llama from configs: naive vs num_items_in_batch (weights and logged loss); the Trainer's GA "
            "equals its full batch on 1 and 2 real processes, but counts GPT-2's labels before the shift; AdamW "
