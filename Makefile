@@ -133,6 +133,7 @@ field: $(STAMP)
 # Writes benchmarks/PLATFORMS.md.
 floors: $(STAMP)
 	$(PY) scripts/run_platforms.py
+	GACCUM_CLASSIC_PYTHON=build/platforms/colab/bin/python GACCUM_CHROMIUM="$$($(PY) tests/browser/chromium.py --provide)" $(PY) -m pytest tests/browser/test_classic_notebook.py -q -m classic --tb=short -p no:cacheprovider
 
 # The unit tests and every notebook on Python 3.12 and 3.13 (build/py3.12, build/py3.13). PyPI's torch
 # for them is the CUDA build (about 5 GB): out of `make test`, run it before a release.
