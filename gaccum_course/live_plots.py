@@ -2,8 +2,11 @@
 
 Each class makes its lines, labels and loss surface on the first ``update`` and afterwards only
 changes the lines' data and the limits, so axes, ticks and legend handles stay the same
-objects (a slider move answers without building a figure again). The functions of
-:mod:`gaccum_course.plots` draw a plot once with the same classes.
+objects (a slider move answers without building a figure again). Its ``moving`` artists are
+those whose data changes at every update; limits are set only when they change (setting
+them marks the axes stale even when they are the same), so an explorer draws the moving
+artists over the axes' last picture where nothing else changed (:class:`~gaccum_course.explorer.Drawing`).
+The functions of :mod:`gaccum_course.plots` draw a plot once with the same classes.
 """
 
 from __future__ import annotations
@@ -24,9 +27,23 @@ def _trajectory_key(trajectories: dict) -> tuple:
 
 
 def _autoscale(ax) -> None:
-    """The limits a fresh plot of the axes' lines would get (their data changed in place)."""
+    """The limits a fresh plot of the axes' lines would get (their data changed in place).
+
+    Worked out again only where the data's extent changed: from the same extent Matplotlib
+    gives the same limits, and setting them (even the same ones) marks the axes stale.
+    """
+    extent = ax.dataLim.get_points().copy()
     ax.relim()
-    ax.autoscale_view()
+    if not np.array_equal(extent, ax.dataLim.get_points()):
+        ax.autoscale_view()
+
+
+def _set_limits(ax, x=None, y=None) -> None:
+    """Set the axes' x and y limits (pairs; None: kept), those that differ from the present ones only."""
+    if x is not None and tuple(ax.get_xlim()) != tuple(x):
+        ax.set_xlim(*x)
+    if y is not None and tuple(ax.get_ylim()) != tuple(y):
+        ax.set_ylim(*y)
 
 
 class WeightTrajectoriesPlot:
@@ -64,6 +81,11 @@ class WeightTrajectoriesPlot:
                 line.set_markevery(_markevery(len(t.weights)))
             _autoscale(axis)
         return self.axes
+
+    @property
+    def moving(self) -> list:
+        """The lines (their data changes at every update)."""
+        return [line for lines in self.lines for line in lines]
 
 
 @lru_cache(maxsize=32)
@@ -145,13 +167,16 @@ class WeightPathPlot:
 
     The loss surface behind the paths (contours for 2 weights, a curve for 1) is recomputed and
     redrawn only when the problem or the limits change; with ``snap=True`` the limits move in
-    round steps (:func:`weight_path_limits`), so most changes of the paths keep it.
+    round steps (:func:`weight_path_limits`), so most changes of the paths keep it. ``resolution``:
+    points per side of the contours' grid; ``curve_points``: points of the curve.
     """
 
     CURVE_POINTS = 200
 
-    def __init__(self, ax, *, resolution: int = 41, margin: float = 0.25, snap: bool = False):
+    def __init__(self, ax, *, resolution: int = 41, margin: float = 0.25, snap: bool = False,
+                 curve_points: int = CURVE_POINTS):
         self.ax, self.resolution, self.margin, self.snap = ax, resolution, margin, snap
+        self.curve_points = curve_points
         self.curve = None  # 1 weight: the loss over the whole data
         self.contours = None  # 2 weights: the loss contours (with their labels)
         self.lines: list = []
@@ -167,9 +192,9 @@ class WeightPathPlot:
         self.background_draws += 1
         if len(lo) == 1:
             if problem.spec:
-                ws, losses = _loss_curve(key[0], float(lo[0]), float(hi[0]), self.CURVE_POINTS)
+                ws, losses = _loss_curve(key[0], float(lo[0]), float(hi[0]), self.curve_points)
             else:
-                ws, losses = _loss_curve_of(problem, float(lo[0]), float(hi[0]), self.CURVE_POINTS)
+                ws, losses = _loss_curve_of(problem, float(lo[0]), float(hi[0]), self.curve_points)
             self.curve.set_data(ws, losses)
         else:
             if self.contours is not None:
@@ -211,8 +236,7 @@ class WeightPathPlot:
         if dims == 2:
             # The surface's extent, as a contour plot autoscales (tight): the paths lie inside. Set
             # before the contours are labelled, which places the labels for the limits it finds.
-            self.ax.set_xlim(lo[0], hi[0])
-            self.ax.set_ylim(lo[1], hi[1])
+            _set_limits(self.ax, (lo[0], hi[0]), (lo[1], hi[1]))
         self._background(problem, lo, hi)
         if dims == 1:
             ws, losses = self.curve.get_data()
@@ -225,6 +249,11 @@ class WeightPathPlot:
                 line.set_markevery(_markevery(len(t.weights)))
             self.start.xy = tuple(next(iter(trajectories.values())).weights[0])
         return self.ax
+
+    @property
+    def moving(self) -> list:
+        """The paths and the "start" label (the loss surface changes with the limits only)."""
+        return [*self.lines, *([self.start] if self.start is not None else [])]
 
 
 class DistanceFromReferencePlot:
@@ -244,8 +273,10 @@ class DistanceFromReferencePlot:
         powers_of_ten(ax)
         # The suite's "equal" (float32 rounding after a few updates is ~1e-7, float64's ~1e-15).
         ax.axhline(tolerance, color="0.5", linewidth=1, linestyle="--")
-        ax.text(0.99, tolerance * 1.4, f"{tolerance:.0e}: tolerance for equal", fontsize=10, color="0.35", ha="right",
-                transform=ax.get_yaxis_transform())
+        # Under the line, which the limits keep in view: over it, the label left the axes (into the
+        # title) whenever every distance was under the tolerance.
+        ax.text(0.99, tolerance / 1.4, f"{tolerance:.0e}: tolerance for equal", fontsize=10, color="0.35", ha="right",
+                va="top", transform=ax.get_yaxis_transform())
         _label_update_axes(ax, "distance to full batch", "how far from the full-batch run")
         self._framed = True
 
@@ -268,3 +299,8 @@ class DistanceFromReferencePlot:
             line.set_markevery(_markevery(len(distance)))
         _autoscale(self.ax)
         return self.ax
+
+    @property
+    def moving(self) -> list:
+        """The lines (their data changes at every update)."""
+        return list(self.lines)

@@ -3,7 +3,8 @@
 Each ``*_explorer`` function returns an :class:`~gaccum_course.explorer.Explorer` whose
 ``compute`` runs the simulator (remembered: a slider moved back answers at once) and whose
 :class:`~gaccum_course.explorer.Drawing` draws the figure once and then only updates it
-(:mod:`gaccum_course.live_plots`). A test reads what it did from ``explorer.state``.
+(:mod:`gaccum_course.live_plots`), drawing again only the artists that move and the axes
+that changed. A test reads what it did from ``explorer.state``.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import ipywidgets as widgets
+import matplotlib.ticker
 import numpy as np
 
 from gaccum_lib.simulate import simulate
 
 from .explorer import DPI, Drawing, Explorer, ExplorerState, _Memo
-from .live_plots import DistanceFromReferencePlot, WeightPathPlot, WeightTrajectoriesPlot
+from .live_plots import DistanceFromReferencePlot, WeightPathPlot, WeightTrajectoriesPlot, _autoscale, _set_limits
 from .style import OKABE_ITO, legend_below, room_for_legend_below, style_for
 
 # Points per side of the loss grid behind the variable-length explorer's weight path (the other
@@ -24,9 +26,43 @@ from .style import OKABE_ITO, legend_below, room_for_legend_below, style_for
 # 15 x 15 draws contours that look like 41 x 41's, and evaluating a grid (every weight pair over
 # the whole data, for limits or data not among the 32 last seen) takes 12 ms instead of 82.
 EXPLORER_GRID = 15
+# Points of the loss curve behind the regression explorer's path (one weight): a parabola, drawn
+# alike with 100 points as with 200, each a pass over the data (10 ms instead of 20 for new limits).
+EXPLORER_CURVE = 100
+
+# Intervals between labelled ticks on a linear axis, at most (Matplotlib's choice: 8 or 9 on these
+# panels): tick labels are most of an axes' drawing, and an explorer draws an axes again whenever
+# its limits change. 6 takes about a quarter off that drawing, and still labels every other update
+# of 12 or a span of 120 every 25 (log axes keep a label a decade).
+EXPLORER_TICKS = 6
+# A title's distance from its axes (points) that leaves room for an offset text (the "1e7" over the
+# y tick labels, 11 points high): Matplotlib's 6, plus the 12 it lifts a title by over one.
+OFFSET_TEXT_PAD = 18
 
 __all__ = ["DPI", "Drawing", "Explorer", "ExplorerState", "launch_explorer", "regression_explorer",
            "schedule_explorer", "trainer_count_explorer", "variable_length_explorer"]
+
+
+def _few_ticks(figure) -> None:
+    """At most :data:`EXPLORER_TICKS` intervals between major ticks on the figure's linear axes."""
+    for ax in figure.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            locator = axis.get_major_locator()
+            if isinstance(locator, matplotlib.ticker.MaxNLocator):  # AutoLocator is one too
+                locator.set_params(nbins=EXPLORER_TICKS)
+
+
+def _title_on_top(*axes, pad: float | None = None) -> None:
+    """Each axes' title at its top, where Matplotlib puts it when nothing is there to lift it over.
+
+    Placed so (``y`` given), a title stays where it is while its axes changes, and the explorer
+    draws it once (:class:`~gaccum_course.explorer.Drawing`); Matplotlib would lay out the y tick
+    labels again at every draw to look for an offset text ("1e7") or ticks on top to lift it
+    over. For axes that never have them (a log axis, limits of a few units), or with ``pad``
+    (points) room for an offset text kept under the title all the time: :data:`OFFSET_TEXT_PAD`.
+    """
+    for ax in axes:
+        ax.set_title(ax.get_title(), y=1.0, pad=pad)
 
 
 def _slider(description, value, minimum, maximum, step=1, **kwargs):
@@ -59,15 +95,21 @@ def regression_explorer(*, strict: bool = False) -> Explorer:
 
     def build(figure, result):
         left, right = figure.subplots(1, 2)
-        parts = SimpleNamespace(path=WeightPathPlot(left, snap=True), weights=WeightTrajectoriesPlot(right))
+        parts = SimpleNamespace(path=WeightPathPlot(left, snap=True, curve_points=EXPLORER_CURVE),
+                                weights=WeightTrajectoriesPlot(right))
         update(parts, result)
         right.axhline(2.0, color="0.5", linewidth=1)
         legend_below(figure, right)
+        _few_ticks(figure)
+        _title_on_top(left, right, pad=OFFSET_TEXT_PAD)  # forgetting / GA reaches losses of 1e23, w of 1e10
         return parts
 
     def update(parts, result):
         parts.path.update(problem, result)
         parts.weights.update(result)
+
+    def moving(parts):
+        return [*parts.path.moving, *parts.weights.moving]
 
     def summarize(result):
         full, plain, forgot = (result[k].final_weights[0] for k in result)
@@ -78,7 +120,7 @@ def regression_explorer(*, strict: bool = False) -> Explorer:
     controls = {"grad_accum_steps": widgets.Dropdown(options=[1, 2, 4, 8], value=4, description="GA"),
                 "lr": _fslider("learning rate", 0.02, 0.002, 0.03, 0.002, readout_format=".3f"),
                 "epochs": _slider("epochs", 3, 1, 10)}
-    explorer = Explorer(controls, compute, Drawing(build, update), summarize=summarize, strict=strict,
+    explorer = Explorer(controls, compute, Drawing(build, update, moving), summarize=summarize, strict=strict,
                         title="Toy regression: accumulate with and without / GA")
     explorer.simulations = run
     return explorer
@@ -110,12 +152,17 @@ def variable_length_explorer(*, strict: bool = False, num_sequences: int = 64) -
                                 distance=DistanceFromReferencePlot(right))
         update(parts, result)
         legend_below(figure, left)
+        _few_ticks(figure)
+        _title_on_top(left, right)  # weights of a few tenths (snapped limits), and a log axis
         return parts
 
     def update(parts, result):
         problem, trajectories = result
         parts.path.update(problem, trajectories)
         parts.distance.update(trajectories, trajectories["full_batch"])
+
+    def moving(parts):
+        return [*parts.path.moving, *parts.distance.moving]
 
     def summarize(result):
         _, t = result
@@ -132,7 +179,7 @@ def variable_length_explorer(*, strict: bool = False, num_sequences: int = 64) -
                 "lr": _fslider("learning rate", 0.05, 0.01, 0.1, 0.01),
                 # More passes over the same data: more updates, and more room for the naive run to drift.
                 "epochs": _slider("epochs", 1, 1, 4)}
-    explorer = Explorer(controls, compute, Drawing(build, update), summarize=summarize, strict=strict,
+    explorer = Explorer(controls, compute, Drawing(build, update, moving), summarize=summarize, strict=strict,
                         title="Variable-length sequences: naive vs token-normalised")
     explorer.simulations, explorer.corpora = run, corpus
     return explorer
@@ -211,15 +258,16 @@ def schedule_explorer(*, strict: bool = False, num_batches: int = 96, peak_lr: f
         ax.set_xlabel("optimizer update")
         ax.set_ylabel("learning rate")
         ax.set_title(f"linear decay from {peak_lr} to 0 over the training, {num_batches} batches per epoch")
+        _title_on_top(ax)  # learning rates from 0 to peak_lr
         legend_below(figure, ax, ncol=2)
+        _few_ticks(figure)
         return parts
 
     def update(parts, result):
         for sizing, lrs in result.items():
             parts.lines[sizing].set_data(np.arange(1, len(lrs) + 1), lrs)
             parts.lines[sizing].set_markevery(max(1, len(lrs) // 12))
-        parts.ax.relim()
-        parts.ax.autoscale_view()
+        _autoscale(parts.ax)
 
     def summarize(result):
         right, slow, early = result["updates"], result["micro_batches"], result["sharded_updates"]
@@ -232,8 +280,8 @@ def schedule_explorer(*, strict: bool = False, num_batches: int = 96, peak_lr: f
     controls = {"grad_accum_steps": _slider("GA", 4, 1, 8),
                 "num_processes": _slider("processes", 2, 1, 4),
                 "epochs": _slider("epochs", 2, 1, 4)}
-    return Explorer(controls, compute, Drawing(build, update), summarize=summarize, strict=strict,
-                    figsize=(10, 4.2), title="Sizing a schedule under accumulation")
+    return Explorer(controls, compute, Drawing(build, update, lambda parts: parts.lines.values()),
+                    summarize=summarize, strict=strict, figsize=(10, 4.2), title="Sizing a schedule under accumulation")
 
 
 def trainer_count_explorer(*, strict: bool = False, rows_per_micro_batch: int = 2, updates: int = 8) -> Explorer:
@@ -256,21 +304,26 @@ def trainer_count_explorer(*, strict: bool = False, rows_per_micro_batch: int = 
         steps = np.arange(1, updates + 1)
         bars = ax.bar(steps, result["fraction"], color=OKABE_ITO["vermillion"], alpha=0.8,
                       label="GPT2LMHeadModel, default count (labels)")
-        ax.axhline(1.0, **dict(style_for("token_normalised"), marker=None),
-                   label="LlamaForCausalLM, or loss_type set (targets)")
-        parts = SimpleNamespace(ax=ax, bars=bars)
+        line = ax.axhline(1.0, **dict(style_for("token_normalised"), marker=None),
+                          label="LlamaForCausalLM, or loss_type set (targets)")
+        # Grid lines and ticks under the bars (Matplotlib puts grid lines over patches by default), as
+        # the explorer draws them: the bars move, and are drawn over the rest of the axes, then what
+        # Matplotlib draws over them (the line at 1, the frame around the axes).
+        ax.set_axisbelow(True)
+        parts = SimpleNamespace(ax=ax, bars=bars, over_bars=[line, *ax.spines.values()])
         update(parts, result)
         ax.set_xlabel("optimizer update")
         ax.set_ylabel("update / per-token update")
         ax.set_title("what the Trainer's count leaves of each update")
-        legend_below(figure, ax, ncol=2)
+        _title_on_top(ax)  # fractions from 0.5 to 1
+        legend_below(figure, ax, ncol=2)  # (all the ticks: only the bars move, the axes are drawn once)
         return parts
 
     def update(parts, result):
         for bar, fraction in zip(parts.bars, result["fraction"], strict=True):
             bar.set_height(fraction)
         # The updates (x) are the same 1..updates every time: only the y range follows the data.
-        parts.ax.set_ylim(min(0.5, float(result["fraction"].min()) - 0.05), 1.02)
+        _set_limits(parts.ax, y=(min(0.5, float(result["fraction"].min()) - 0.05), 1.02))
 
     def summarize(result):
         fraction = result["fraction"]
@@ -281,5 +334,6 @@ def trainer_count_explorer(*, strict: bool = False, rows_per_micro_batch: int = 
     controls = {"mean_length": _slider("row length", 20, 4, 256),
                 "spread": _fslider("spread", 0.8, 0.0, 1.0, 0.1),
                 "grad_accum_steps": _slider("GA", 8, 1, 32)}
-    return Explorer(controls, compute, Drawing(build, update), summarize=summarize, strict=strict,
-                    figsize=(10, 4.2), title="The Trainer's count for GPT-2: row length and GA")
+    return Explorer(controls, compute, Drawing(build, update, lambda parts: [*parts.bars, *parts.over_bars]),
+                    summarize=summarize, strict=strict, figsize=(10, 4.2),
+                    title="The Trainer's count for GPT-2: row length and GA")

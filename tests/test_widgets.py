@@ -1,12 +1,19 @@
 """The explorers: state a test can read, plots that change, errors that are clear and survivable."""
 
+import io
+
+import ipywidgets
+import matplotlib
+import matplotlib.axes
+import matplotlib.legend
 import numpy as np
 import pytest
-from matplotlib.backends.backend_agg import RendererAgg
-from plain_agg import plain_agg_pixels
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from PIL import Image
 
-from gaccum_course import _canvas
+from gaccum_course.style import RC
 from gaccum_course.widgets import (
+    Drawing,
     Explorer,
     launch_explorer,
     regression_explorer,
@@ -214,25 +221,158 @@ def test_a_bad_value_in_a_drawn_once_explorer_shows_the_error_and_keeps_the_last
     np.testing.assert_array_equal(explorer.pixels(), drawn_afresh_at(regression_explorer, dict(epochs=2)).pixels())
 
 
-# The explorers' canvas remembers how it drew text (gaccum_course._canvas): the pixels must be plain Agg's.
+def matplotlibs_blitting(explorer) -> np.ndarray:
+    """The explorer's figure as Matplotlib's own Agg canvas blits it: drawn whole, the moving artists over it."""
+    figure = explorer.figure
+    canvas = FigureCanvasAgg(figure)  # the figure's canvas from now on (the explorer's is left behind)
+    with matplotlib.rc_context(RC):
+        canvas.draw()
+        for artist in explorer.draw.moving():
+            figure.draw_artist(artist)
+    return np.asarray(canvas.buffer_rgba()).copy()
+
+
 @pytest.mark.parametrize("name", MOVES)
-def test_the_explorers_canvas_draws_the_pixels_of_plain_agg(name):
+def test_the_picture_is_matplotlibs_own_after_slider_moves(name):
     make, a, b = MOVES[name]
     explorer = make(strict=True)
     explorer.set(**a)
-    explorer.set(**b)  # text drawn again from the caches, much of it elsewhere (new ticks, limits, labels)
-    assert isinstance(explorer.canvas.get_renderer(), _canvas._TextCachingRenderer) == _canvas._TEXT_CACHE
-    np.testing.assert_array_equal(explorer.pixels(), plain_agg_pixels(explorer.figure))
+    explorer.set(**b)  # some axes pasted from the last picture, some drawn again
+    assert type(explorer.canvas) is FigureCanvasAgg
+    shown = explorer.pixels()
+    np.testing.assert_array_equal(shown[:, :, :3], np.asarray(explorer.canvas.buffer_rgba())[:, :, :3])
+    assert (shown[:, :, 3] == 255).all()  # opaque: the PNG holds its RGB
+    np.testing.assert_array_equal(shown, matplotlibs_blitting(explorer))
 
 
-def test_without_matplotlibs_internals_the_explorers_draw_with_plain_agg(monkeypatch):
-    assert _canvas.text_internals_available() == _canvas._TEXT_CACHE
+@pytest.mark.parametrize("make", [schedule_explorer, trainer_count_explorer])
+def test_where_nothing_lies_over_the_moving_artists_the_picture_is_matplotlibs_ordinary_draw(make):
+    # The Trainer count's bars move: its grid lines go under them, and what Matplotlib draws over
+    # them (the line at 1, the frame around the axes) moves with them.
+    explorer = make(strict=True)
+    explorer.set(grad_accum_steps=1)
+    saved = io.BytesIO()
+    with matplotlib.rc_context(RC):
+        explorer.figure.savefig(saved, format="png", dpi=explorer.figure.dpi)  # animated artists too
+    np.testing.assert_array_equal(explorer.pixels(), np.asarray(Image.open(saved).convert("RGBA")))
+
+
+def test_the_png_is_a_compressed_png_of_the_picture():
+    explorer = trainer_count_explorer(strict=True)
+    picture = Image.open(io.BytesIO(explorer.image.value))
+    assert picture.format == "PNG" and picture.mode == "RGB"
+    width, height = explorer.canvas.get_width_height()
+    assert picture.size == (width, height) and len(explorer.image.value) < width * height * 3 / 10
+
+
+def spy_on_draws(monkeypatch) -> list:
+    """Every axes and figure legend Matplotlib draws from now on, in order."""
+    drawn = []
+    for cls in (matplotlib.axes.Axes, matplotlib.legend.Legend):
+        original = cls.draw
+        monkeypatch.setattr(cls, "draw", lambda self, renderer, original=original: (
+            drawn.append(self), original(self, renderer))[1])
+    return drawn
+
+
+def test_a_move_draws_again_only_the_axes_that_changed(monkeypatch):
     explorer = variable_length_explorer(strict=True)
-    explorer.set(spread=1.0)
-    cached = explorer.pixels()
-    monkeypatch.setattr(_canvas, "_TEXT_CACHE", False)
-    explorer.refresh()
-    assert type(explorer.canvas.get_renderer()) is RendererAgg
-    np.testing.assert_array_equal(explorer.pixels(), cached)
-    monkeypatch.delattr(RendererAgg, "_prepare_font")  # a Matplotlib without one of them
-    assert not _canvas.text_internals_available()
+    path, distance = explorer.figure.axes
+    limits = path.get_xlim(), path.get_ylim()
+    drawn = spy_on_draws(monkeypatch)
+    explorer.set(grad_accum_steps=8)  # new paths on the same loss surface, and new distances
+    assert (path.get_xlim(), path.get_ylim()) == limits
+    assert drawn == [distance]  # the paths drawn over the path panel's last picture; the legend kept
+    drawn.clear()
+    explorer.set(grad_accum_steps=4)
+    explorer.set(grad_accum_steps=4)  # the same values again
+    assert drawn == [distance]
+    monkeypatch.undo()
+    np.testing.assert_array_equal(explorer.pixels(), drawn_afresh_at(variable_length_explorer,
+                                                                     explorer.values).pixels())
+
+
+def two_panels(figure, result):
+    """A Drawing's build for the next tests: two panels, moving lines, a legend below."""
+    left, right = figure.subplots(1, 2)
+    figure.subplots_adjust(bottom=0.3)
+    lines = []
+    for ax in (left, right):
+        lines += ax.plot([0, 1, 2], [1, 3, 2], label="a") + ax.plot([0, 1, 2], [2, 1, 3], label="b")
+        ax.set_xlabel("x")
+        ax.set_ylabel("y")
+    left.set_title("a title", y=1.0)  # drawn once, with the background
+    right.set_title("a title placed by Matplotlib")  # drawn with its axes
+    figure.legend(*left.get_legend_handles_labels(), loc="lower center", ncol=2)
+    parts = {"lines": lines, "left": left, "right": right, "legend": figure.legends[0]}
+    change(parts, result)
+    return parts
+
+
+def change(parts, result):
+    """Move the lines (each result), and make the change the result names (once)."""
+    for i, line in enumerate(parts["lines"]):
+        line.set_ydata(np.array([1.0, 3.0, 2.0]) + 0.1 * i + 0.05 * result["n"])
+    left, legend, figure = parts["left"], parts["legend"], parts["left"].get_figure(root=True)
+    what = result["what"]
+    if parts.get("made") == what:
+        return
+    parts["made"] = what
+    if what == "limits":
+        left.set_ylim(0, 5)
+    elif what == "titles":
+        left.set_title("another title", y=1.0)
+        parts["right"].set_title("another title placed by Matplotlib")
+    elif what == "tick parameters":
+        left.tick_params(labelsize=14)
+    elif what == "grid off":
+        left.grid(False)
+    elif what == "legend moved":
+        legend.set_bbox_to_anchor((0.5, 0.1), transform=figure.transFigure)
+    elif what == "figure text":
+        figure.text(0.02, 0.02, "a note")
+    elif what == "legend over the axes":  # Matplotlib draws it over them: pasting must not hide it
+        legend.set_bbox_to_anchor((0.5, 0.5), transform=figure.transFigure)
+    elif what == "axes moved":
+        left.set_position([0.1, 0.4, 0.3, 0.4])
+
+
+def two_panel_explorer(what, *, n=0, now="nothing"):
+    """An explorer of :func:`two_panels` whose changes are "nothing" and ``what``, at ``n`` and ``now``."""
+    controls = {"n": ipywidgets.IntSlider(value=n, min=0, max=5),
+                "what": ipywidgets.Dropdown(options=["nothing", what], value=now)}
+    return Explorer(controls, lambda n, what: {"n": n, "what": what},
+                    Drawing(two_panels, change, lambda parts: parts["lines"]), strict=True)
+
+
+@pytest.mark.parametrize("what", ["limits", "titles", "tick parameters", "grid off", "legend moved", "figure text",
+                                  "legend over the axes", "axes moved"])
+def test_whatever_changes_the_picture_is_the_one_drawn_afresh(what, monkeypatch):
+    explorer = two_panel_explorer(what)
+    explorer.set(n=1)
+    drawn = spy_on_draws(monkeypatch)
+    explorer.set(n=2)  # only the lines move: neither axes nor the legend drawn again
+    assert drawn == []
+    explorer.set(what=what, n=3)
+    assert drawn  # something was drawn again
+    np.testing.assert_array_equal(explorer.pixels(), two_panel_explorer(what, n=3, now=what).pixels())
+    drawn.clear()
+    explorer.set(n=4)  # only the lines again: pasted, layer by layer or the whole figure
+    assert drawn == []
+    monkeypatch.undo()
+    shown = explorer.pixels()
+    np.testing.assert_array_equal(shown, two_panel_explorer(what, n=4, now=what).pixels())
+    np.testing.assert_array_equal(shown, matplotlibs_blitting(explorer))
+
+
+def test_where_layers_overlap_the_whole_figure_is_blitted_until_something_else_changes(monkeypatch):
+    explorer = two_panel_explorer("legend over the axes", now="legend over the axes")
+    explorer.set(n=1)  # (the first picture found the right title placed by Matplotlib: with its axes now)
+    drawn = spy_on_draws(monkeypatch)
+    explorer.set(n=2)
+    assert drawn == []  # the whole figure as last drawn, the lines over it
+    explorer.figure.axes[0].set_ylim(-5, 9)  # a change outside the lines: drawn again
+    explorer.set(n=3)
+    assert explorer.figure.legends[0] in drawn
+    monkeypatch.undo()
+    np.testing.assert_array_equal(explorer.pixels(), matplotlibs_blitting(explorer))
