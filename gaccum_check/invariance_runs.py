@@ -9,6 +9,7 @@ Trainer run in processes forked by :func:`gaccum_launch.launch`; a script runs a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -18,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil  # Accelerate depends on it
 import torch
 
 from gaccum_launch import LaunchError, gpu_count, launch
@@ -165,11 +167,7 @@ def _script_run(script, arguments, k, mbs, p, loss_pattern, timeout) -> Run:
         else:  # torchrun; only rank 0's output, whose losses are read (each rank's exception is in its file)
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={p}",
                        "--local-ranks-filter=0", *recorder, folder, script, *filled]
-        try:
-            done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  timeout=timeout)
-        except subprocess.TimeoutExpired as exc:
-            raise InvarianceCheckError(f"{' '.join(command)} ran past {timeout:.0f} s and was stopped") from exc
+        done = _run_stopping_all(command, env, timeout)
         files = {r: Path(folder) / f"rank{r}.pt" for r in range(p)}
         saved = {r: torch.load(path) for r, path in files.items() if path.is_file()}
         if done.returncode != 0 or any(s.get("error") for s in saved.values()):
@@ -184,6 +182,39 @@ def _script_run(script, arguments, k, mbs, p, loss_pattern, timeout) -> Run:
     return Run(p, k, mbs, ranks, [float(x) for x in printed] or None, time.perf_counter() - began,
                loss_resolution=printed_resolution(printed),
                losses_from=None if loss_pattern is None else "the script's output (stdout and stderr)")
+
+
+def _run_stopping_all(command, env, timeout) -> subprocess.CompletedProcess:
+    """Run ``command``; past ``timeout`` (or on Ctrl-C), stop it and every process it started.
+
+    torchrun starts its ranks in sessions of their own, so they are found as its descendants and
+    stopped one by one; a rank left behind would also hold the output pipe open.
+    """
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        _stop_with_descendants(process.pid)
+        output, _ = process.communicate()
+        tail = "\n".join(output.splitlines()[-10:])
+        raise InvarianceCheckError(f"ran past {timeout:.0f} s and was stopped, with the processes it started "
+                                   f"(a hang, e.g. in a collective one rank never reached):\n{tail}") from exc
+    except BaseException:
+        _stop_with_descendants(process.pid)
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, output, "")
+
+
+def _stop_with_descendants(pid: int) -> None:
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]  # found before any is stopped: orphans are not found
+    except psutil.NoSuchProcess:
+        return
+    for member in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.kill()
+    psutil.wait_procs(tree, timeout=10)
 
 
 def _failure_text(done, saved: dict, p: int, k: int, mbs: int) -> str:

@@ -135,9 +135,10 @@ def run_script_recorded(out_dir: str, script: str, script_args: list[str]) -> in
         if exc.code is not None and not isinstance(exc.code, int):
             print(exc.code, file=sys.stderr)
             error = {"text": str(exc.code), "time": time.time()}
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 -- the script's, printed as Python would and kept in its file
         error = {"text": script_traceback(exc), "time": time.time()}
-        raise
+        print(error["text"], file=sys.stderr, end="")
+        status = 130 if isinstance(exc, KeyboardInterrupt) else 1
     finally:
         path = Path(out_dir) / f"rank{os.environ.get('RANK', '0')}.pt"
         torch.save({**recorder.result(), "error": error}, path.with_suffix(".tmp"))
@@ -148,4 +149,11 @@ def run_script_recorded(out_dir: str, script: str, script_args: list[str]) -> in
 if __name__ == "__main__":
     if len(sys.argv) < 3:
         raise SystemExit("usage: python -m gaccum_check.recording OUT_DIR script.py [script arguments...]")
-    sys.exit(run_script_recorded(sys.argv[1], sys.argv[2], sys.argv[3:]))
+    code = run_script_recorded(sys.argv[1], sys.argv[2], sys.argv[3:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Leave without Python's teardown, once the rank's file is saved: freeing a DDP model or the gloo process
+    # group there can deadlock (the group's destructor joins gloo's worker thread while holding the GIL, and the
+    # worker frees a finished all-gather, which needs the GIL; seen here with Accelerate's examples on 2 CPU
+    # processes). The recorder keeps the models it saw alive until then, so the script's own return frees none.
+    os._exit(code)

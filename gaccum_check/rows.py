@@ -94,7 +94,7 @@ class FeedRecorder:
         self._calls: list = []
         self._depth = 0
         self._tags: dict[int, int] = {}
-        self._modules: dict[int, tuple] = {}  # id -> (trains, pad values)
+        self._modules: dict[int, tuple] = {}  # id -> (the module, kept alive: see recording's exit; trains; pads)
 
     def forward_started(self) -> None:
         self._depth += 1
@@ -107,8 +107,9 @@ class FeedRecorder:
             config = getattr(getattr(module, "module", module), "config", None)
             pad = getattr(config, "pad_token_id", None)
             extra = (pad,) if isinstance(pad, int) and pad not in PAD_VALUES else ()
-            self._modules[id(module)] = (any(p.requires_grad for p in module.parameters()), PAD_VALUES + extra)
-        trains, pad_values = self._modules[id(module)]
+            self._modules[id(module)] = (module, any(p.requires_grad for p in module.parameters()),
+                                         PAD_VALUES + extra)
+        _, trains, pad_values = self._modules[id(module)]
         if not trains:
             return
         keys = row_keys(args, kwargs, pad_values)

@@ -27,9 +27,10 @@ HEADLINE = {"passed": "invariance check passed", "failed": "invariance check FAI
 def check(folder, processes, *command):
     """`python -m gaccum_check invariance --processes ... -- python ...` (GA 4, 2 rows), run in ``folder``."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run([sys.executable, "-m", "gaccum_check", "invariance", "--processes", *processes, "--",
-                           "python", *map(str, command)], cwd=folder, capture_output=True, text=True, env=env,
-                          timeout=600)
+    # the check's own timeout comes first: it stops a hung run with its ranks and reports it
+    done = subprocess.run([sys.executable, "-m", "gaccum_check", "invariance", "--timeout", "300", "--processes",
+                           *processes, "--", "python", *map(str, command)], cwd=folder, capture_output=True,
+                          text=True, env=env, timeout=900)
     return done
 
 

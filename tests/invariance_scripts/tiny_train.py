@@ -7,6 +7,7 @@ that is the mean over the update). Each flag breaks one thing the check must tel
     --boundary_from_zero   step when step % GA == 0 (step counted from 0): an off-by-one boundary
     --shuffle_seed S       shuffle the rows with a generator seeded S + rank (other rows on 2 processes)
     --raise_on_rank R      raise a ValueError on rank R before training
+    --hang_on_rank R       rank R sleeps before training, the others wait for it in their first all-reduce
     --log_to_stderr        print the losses on stderr
     --divide_twice         divide the loss by GA twice
 """
@@ -14,6 +15,7 @@ that is the mean over the update). Each flag breaks one thing the check must tel
 import argparse
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -27,6 +29,7 @@ def main():
     parser.add_argument("--boundary_from_zero", action="store_true")
     parser.add_argument("--shuffle_seed", type=int, default=None)
     parser.add_argument("--raise_on_rank", type=int, default=None)
+    parser.add_argument("--hang_on_rank", type=int, default=None)
     parser.add_argument("--log_to_stderr", action="store_true")
     parser.add_argument("--divide_twice", action="store_true")
     args = parser.parse_args()
@@ -35,6 +38,8 @@ def main():
         dist.init_process_group("gloo")
     if args.raise_on_rank == rank:
         raise ValueError(f"rank {rank} cannot read its shard")
+    if world > 1 and args.hang_on_rank == rank:
+        time.sleep(3600)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(args.rows, 4, generator=generator)
     y = x @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1 * torch.randn(args.rows, generator=generator)
