@@ -577,13 +577,13 @@ def test_losses_on_stderr_are_read_and_every_run_reruns_included_prints_its_line
 
 @pytest.mark.real
 @pytest.mark.slow
-def test_a_run_past_its_timeout_is_stopped_with_every_rank_and_the_others_are_kept():
+def test_a_run_past_its_timeout_is_stopped_with_every_rank():
     marker = "--rows 24"  # this test's runs, to look for afterwards
     report = check_script_invariance(f"python {TINY} --grad_accum_steps {{grad_accum_steps}} --micro_batch_size "
-                                     f"{{micro_batch_size}} {marker} --hang_on_rank 1", num_processes=(1, 2),
-                                     grad_accum_steps=2, timeout=20, progress=False)
+                                     f"{{micro_batch_size}} {marker} --hang_on_rank 1", num_processes=2,
+                                     grad_accum_steps=2, timeout=15, progress=False)
+    # (on a machine so busy that the full batch takes 15 s, its run is the one stopped: the same words)
     assert report.verdict == "inconclusive" and report.labels == ("run failed (2 processes)",), str(report)
-    assert "ran past 20 s and was stopped, with the processes it started" in report.cannot_judge[0]
-    assert report.comparisons[1].passed  # the finished comparison stays
+    assert "ran past 15 s and was stopped, with the processes it started" in report.cannot_judge[0]
     left = subprocess.run(["pgrep", "-f", f"tiny_train.py .*{marker}"], capture_output=True, text=True)
     assert left.stdout == "", left.stdout  # no rank left sleeping
