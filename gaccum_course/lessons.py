@@ -40,7 +40,7 @@ class Lesson:
 LESSONS = (
     Lesson("00_start_here.ipynb", "Start here",
            "Check the environment, see the path through the suite, test the idea of accumulation on a toy.",
-           "core", (10, 14), "about 6 s"),
+           "core", (10, 14), "about 8 s"),
     Lesson("01_why_accumulate.ipynb", "Why accumulate",
            "Memory measured (activations grow with the batch, accumulation's stay flat); the plain loop; why each "
            "loss is divided by GA and what forgetting it does; equal to the full batch.",
@@ -52,46 +52,46 @@ LESSONS = (
     Lesson("03_variable_length_trap.ipynb", "The variable-length trap",
            "Naive mean of means vs token normalisation on sequences of different lengths; the error grows with GA, "
            "packing hides it.",
-           "core", (22, 30), "about 8 s"),
+           "core", (22, 30), "about 9 s"),
     Lesson("04_many_processes.ipynb", "Many processes",
            "x num_processes, the gathered count, counting before the backward passes, no_sync (all-reduces "
            "counted), and a bare notebook_launcher run checked against the simulator and the full batch.",
-           "core", (29, 38), "about 6 s"),
+           "core", (29, 38), "about 9 s"),
     Lesson("05_capstone_language_model.ipynb", "Capstone: the recipe on a tiny language model",
            "Targets after the shift; naive vs token-normalised on 1 and 2 real processes; the take-home "
            "train_causal_lm on 2 processes with clipping and a schedule equals the 1-process full batch; write the "
            "step yourself.",
-           "core", (30, 41), "about 12 s"),
+           "core", (30, 41), "about 11 s"),
     Lesson("06_pitfalls_gallery.ipynb", "A gallery of pitfalls",
            "Nineteen ways accumulation goes wrong, indexed by number and symptom, each with cause, fix and a cell "
            "that shows it; check_accumulation catches the loop-level ones.",
-           "reference", (60, 77), "about 11 s"),
+           "reference", (60, 77), "about 10 s"),
     Lesson("07_benchmarks.ipynb", "What it costs and saves, measured",
            "Saved make-bench results: token normalisation's cost, accumulation's time cost, no_sync's saving, "
            "flat memory, speeds.",
-           "deep dive", (22, 40), "about 6 s"),
+           "deep dive", (22, 40), "about 8 s"),
     Lesson("08_your_real_stack.ipynb", "Your real stack: transformers, the Trainer, AdamW, bf16",
            "GPT-2 and Llama from configs: naive vs num_items_in_batch (weights and logged loss); the Trainer's GA "
            "equals its full batch on 1 and 2 real processes, but counts GPT-2's labels before the shift; AdamW "
            "hides a forgotten / GA, not a mean of means; bf16 gradient buffers.",
-           "deep dive", (75, 95), "about 15 s"),
+           "deep dive", (75, 95), "about 17 s"),
     Lesson("09_schedulers_across_processes.ipynb", "Schedulers across processes",
            "A prepared scheduler steps N times per update, measured; N x ceil(ceil(L/N)/GA) steps an epoch "
            "(128, not 125); sizing total_steps; split_batches; sync_each_batch; adjust_scheduler read as False "
            "(measured).",
-           "deep dive", (55, 70), "about 9 s"),
+           "deep dive", (55, 70), "about 10 s"),
     Lesson("10_fsdp_and_deepspeed.ipynb", "FSDP2 and DeepSpeed: accumulation when the model is sharded",
            "Sync off between micro-batches: one reduce-scatter per update, a whole unsharded gradient held; "
            "DeepSpeed steps at the boundary accumulate() sets (an optional extra).",
-           "deep dive", (32, 42), "about 40 s"),
+           "deep dive", (32, 42), "about 14 s"),
     Lesson("11_rl_and_unaccumulable_losses.ipynb", "RL losses, and the losses accumulation cannot reproduce",
            "Which loss_type equals its own full batch under GA; BatchNorm, in-batch negatives and MoE balancing, "
            "each with its fix.",
-           "deep dive", (29, 43), "about 18 s"),
+           "deep dive", (29, 43), "about 12 s"),
     Lesson("12_capstone_further.ipynb", "The capstone, further",
            "The naive error grows with GA, packing hides it; the logged loss; uneven data (pad vs repeat); bf16; "
            "DeepSpeed/FSDP refused, ZeRO stages defined.",
-           "deep dive", (24, 39), "about 19 s"),
+           "deep dive", (24, 39), "about 13 s"),
 )
 
 
