@@ -153,6 +153,8 @@ def _clip_after_sync(record, ref: Reference, g, grad_dist, grad_allowed):
         factor, cosine = _ratio_and_cosine(g, before)
         if cosine < diagnoses.SAME_DIRECTION or factor > 1 - grad_allowed:
             return None, []  # not a clip: the edit is judged as part of the gradient
+        if ref.max_grad_norm is None and grad_dist <= grad_allowed:
+            return None, []  # a division after the all-reduce that lands on the full batch: a normalisation
         if ref.max_grad_norm is not None and abs(norm - ref.max_grad_norm) > grad_allowed * ref.max_grad_norm:
             return None, []  # scaled to some other norm than the clip's (a normalisation after the sync?)
         what = f"your step scaled the gradient by {factor:.4g} after the all-reduce, to norm {norm:.4g}"

@@ -172,6 +172,23 @@ def test_a_binding_clip_after_the_sync_is_named_and_checked_with_max_grad_norm()
     assert told, str(told)
 
 
+def test_a_division_by_the_count_after_the_sync_is_a_normalisation_not_a_clip():
+    # backward of the summed loss x GA x processes, then the synced gradient divided by the gathered count:
+    # the gradient handed to the step is the full batch's, so the check passes (it once called this a clip).
+    def divide_after(model, optimizer, micro_batches, loss_fn, ctx):
+        total = ctx.all_reduce_sum(sum(SEQ.count_targets(b) for b in micro_batches))
+        for batch in micro_batches:
+            loss_sum, _ = loss_fn(model, batch)
+            ctx.backward(loss_sum * ctx.grad_accum_steps * ctx.num_processes)
+        for parameter in model.parameters():
+            parameter.grad /= total
+        optimizer.step()
+        optimizer.zero_grad()
+
+    report = check_accumulation(divide_after, SEQ.make_model, SEQ_BATCHES, SEQ.loss_sum_and_count)
+    assert report and report.verdict == "passed", str(report)
+
+
 def test_with_max_grad_norm_a_bug_the_clip_would_hide_still_fails():
     max_norm = 0.2 * full_batch_gradient_norm(SEQ, SEQ_BATCHES)
     twice = normalised_step(SEQ.count_targets, scale=1 / 2, clip=max_norm)  # 1/GA on 2 processes, then clipped
