@@ -1,13 +1,9 @@
 """Run a function in N real processes from a notebook, and get every rank's result back.
 
-Accelerate's ``notebook_launcher`` (lesson 04) forks the processes and returns nothing.
-:func:`launch` starts them as Accelerate's ``debug_launcher`` does (torch's ``start_processes``
-with ``fork``; the process group meets through a file, not a TCP port, so launches never
-collide) and adds what a room of learners needs: every rank's return value; GPUs when there
-are enough, else CPU processes over gloo; a clean Accelerate state, or a refusal that says what
-to do; a crash turned into :class:`LaunchError` naming the rank that failed first (not a peer
-that lost its connection to it) with its traceback; bounded time; and no process left behind
-(Ctrl-C stops the ranks, and a rank dies with the launching process however that ends).
+:func:`launch` starts them as Accelerate's ``debug_launcher`` does (``start_processes`` with ``fork``,
+meeting through a file, not a port) and adds: every rank's return value; GPUs when there are enough,
+else CPU processes over gloo; a clean Accelerate state; a crash turned into :class:`LaunchError`
+naming the rank that failed first, with its traceback; bounded time; no process left behind.
 """
 
 from __future__ import annotations
@@ -191,8 +187,12 @@ def launch(function, args=(), *, num_processes: int = 2, device: str = "auto", q
     if not isinstance(args, tuple):
         raise TypeError(f"args must be a tuple of arguments for function, got {type(args).__name__}")
     kind = choose_device(num_processes, device)
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0):
-        raise ValueError(f"timeout must be a number of seconds in (0, inf) or None, got {timeout!r}")
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+            raise TypeError(f"timeout must be a number, got {type(timeout).__name__} ({timeout!r}); or None: no limit")
+        if not 0 < timeout < float("inf"):
+            raise ValueError(f"timeout must be in (0.0, inf), got {float(timeout)}")
+        timeout = float(timeout)
     if num_processes > 1:
         _check_this_process_can_fork(kind)
     if not _LAUNCH_LOCK.acquire(blocking=False):
