@@ -35,7 +35,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -46,6 +45,7 @@ from pathlib import Path
 import chromium  # this folder's finder (pytest puts the folder on sys.path)
 import pytest
 from accelerate.utils.other import get_free_port
+from jupyter_pages import Server, stop
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -112,61 +112,6 @@ def find_chromium() -> str:
     return found
 
 
-class Lab:
-    """A running JupyterLab: its URL, token, folder of notebook copies, and REST helpers."""
-
-    def __init__(self, url: str, token: str, root: Path, process: subprocess.Popen, log: Path):
-        self.url, self.token, self.root, self.process, self.log = url, token, root, process, log
-
-    def api(self, method: str, path: str):
-        request = urllib.request.Request(f"{self.url}{path}", method=method,
-                                         headers={"Authorization": f"token {self.token}"})
-        with urllib.request.urlopen(request, timeout=10) as response:
-            body = response.read()
-        return json.loads(body) if body else None
-
-    def shutdown_kernels(self) -> None:
-        """End every session and kernel (one notebook's kernel must not slow the next down)."""
-        for session in self.api("GET", "/api/sessions"):
-            self.api("DELETE", f"/api/sessions/{session['id']}")
-        for kernel in self.api("GET", "/api/kernels"):
-            self.api("DELETE", f"/api/kernels/{kernel['id']}")
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-
-
-def _descendants(pid: int) -> list:
-    """Processes below ``pid`` (kernels run in sessions of their own, so a process-group kill misses
-    them, and so do the processes a launch cell forks)."""
-    import psutil
-
-    with contextlib.suppress(psutil.Error):
-        return psutil.Process(pid).children(recursive=True)
-    return []
-
-
-def _stop(process: subprocess.Popen) -> None:
-    """Stop JupyterLab (its process group) and every process it started, even if it hangs."""
-    if process.poll() is not None:
-        return
-    started = _descendants(process.pid)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)  # the server shuts its kernels down on the way out
-    try:
-        process.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=10)
-    import psutil
-
-    for child in started:
-        # psutil checks that the pid still names the process it saw (same start time): a reused id is spared.
-        with contextlib.suppress(psutil.Error):
-            child.kill()
-
-
 @pytest.fixture(scope="session")
 def lab(tmp_path_factory):
     """JupyterLab from .venv on 127.0.0.1 with a token, serving copies of the notebooks under test."""
@@ -203,7 +148,7 @@ def lab(tmp_path_factory):
     with log.open("w") as sink:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=root,
                                    start_new_session=True)
-    server = Lab(f"http://127.0.0.1:{port}", token, root, process, log)
+    server = Server(f"http://127.0.0.1:{port}", token, root, process, log)
     _LAB_LOG.append(log)
     try:
         deadline = time.monotonic() + 60
@@ -218,7 +163,7 @@ def lab(tmp_path_factory):
             time.sleep(0.25)
         yield server
     finally:
-        _stop(process)
+        stop(process)
 
 
 # pytest-playwright launches the browser and gives each test a fresh context and page; these two

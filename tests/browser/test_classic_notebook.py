@@ -29,7 +29,6 @@ import json
 import os
 import re
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -39,6 +38,7 @@ from pathlib import Path
 
 import pytest
 from accelerate.utils.other import get_free_port
+from jupyter_pages import ANSI, Server, error_outputs, stop, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 SCREENSHOTS = Path(os.environ.get("GACCUM_SCREENSHOTS", ROOT / "build" / "screenshots"))
@@ -54,7 +54,6 @@ RUN_TIMEOUT_S = 600
 SLIDER_TIMEOUT_S = 30
 BAD_TEXT = re.compile(r"Error displaying widget|model not found|Failed to load model class|"
                       r"Loading widget|Could not render|Error rendering", re.IGNORECASE)
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # A widget view's output area, in classic Notebook with ipywidgets 7.
 WIDGET_AREA = "#notebook-container .output_subarea.jupyter-widgets-view"
 EXPLORER = f"{WIDGET_AREA}:has(img.widget-image):has(.widget-slider)"
@@ -68,29 +67,6 @@ IMAGE_BYTES_JS = """async img => {
     .map(b => b.toString(16).padStart(2, '0')).join('');
   return {digest, png, src: img.src};
 }"""
-
-
-class Classic:
-    """A running classic Notebook: its URL, token and folder of lesson copies."""
-
-    def __init__(self, url: str, token: str, root: Path, log: Path):
-        self.url, self.token, self.root, self.log = url, token, root, log
-
-    def api(self, method: str, path: str):
-        request = urllib.request.Request(f"{self.url}{path}", method=method,
-                                         headers={"Authorization": f"token {self.token}"})
-        with urllib.request.urlopen(request, timeout=10) as response:
-            body = response.read()
-        return json.loads(body) if body else None
-
-    def shutdown_kernels(self) -> None:
-        for session in self.api("GET", "/api/sessions"):
-            self.api("DELETE", f"/api/sessions/{session['id']}")
-        for kernel in self.api("GET", "/api/kernels"):
-            self.api("DELETE", f"/api/kernels/{kernel['id']}")
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
 
 def _classic_python() -> Path:
@@ -153,7 +129,7 @@ def classic(tmp_path_factory):
     with log.open("w") as sink:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=root,
                                    start_new_session=True)
-    server = Classic(f"http://127.0.0.1:{port}", token, root, log)
+    server = Server(f"http://127.0.0.1:{port}", token, root, process, log)
     server.versions, server.site = versions, site
     try:
         deadline = time.monotonic() + 60
@@ -168,40 +144,7 @@ def classic(tmp_path_factory):
             time.sleep(0.25)
         yield server
     finally:
-        _stop(process)
-
-
-def _stop(process: subprocess.Popen) -> None:
-    """Stop the server (its process group) and the kernels it started (each in a session of its own)."""
-    import psutil
-
-    if process.poll() is not None:
-        return
-    started = []
-    with contextlib.suppress(psutil.Error):
-        started = psutil.Process(process.pid).children(recursive=True)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=10)
-    for child in started:
-        with contextlib.suppress(psutil.Error):  # psutil checks the pid still names the process it saw
-            child.kill()
-
-
-def _wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.25):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(interval_s)
+        stop(process)
 
 
 KERNEL_IDLE_JS = """() => {
@@ -224,19 +167,7 @@ def _settled(page, timeout_s: float, what: str) -> None:
             return False
         time.sleep(0.7)
         return _idle(page)
-    _wait_until(settled, timeout_s, what)
-
-
-def _error_outputs(nb: dict) -> list[str]:
-    found = []
-    for index, cell in enumerate(nb["cells"]):
-        if "raises-exception" in cell.get("metadata", {}).get("tags", []):
-            continue
-        for output in cell.get("outputs", []):
-            if output.get("output_type") == "error":
-                trace = ANSI.sub("", "\n".join(output.get("traceback", [])[-3:]))
-                found.append(f"cell {index}: {output.get('ename')}: {output.get('evalue')}\n{trace}")
-    return found
+    wait_until(settled, timeout_s, what)
 
 
 def _notebook_json(page) -> dict:
@@ -253,18 +184,18 @@ def test_explorers_in_classic_notebook(lesson, classic, page):
         page.goto(f"{classic.url}/notebooks/{lesson}.ipynb?token={classic.token}", wait_until="domcontentloaded")
         page.wait_for_function("() => window.Jupyter && Jupyter.notebook && Jupyter.notebook._fully_loaded",
                                timeout=OPEN_TIMEOUT_S * 1000)
-        _wait_until(lambda: _idle(page), OPEN_TIMEOUT_S, "the kernel to be ready")
+        wait_until(lambda: _idle(page), OPEN_TIMEOUT_S, "the kernel to be ready")
         # The widget manager of ipywidgets 7's nbextension is there before anything runs.
         assert page.evaluate("() => !!(Jupyter.WidgetManager || (Jupyter.notebook.kernel.widget_manager))"), \
             "the widgets nbextension did not load (no Jupyter.WidgetManager)"
 
         page.locator("#menus a.dropdown-toggle", has_text=re.compile(r"^\s*Cell\s*$")).click()
         page.locator("#run_all_cells > a").click()
-        _wait_until(lambda: not _idle(page), 15, "Run All to start")
+        wait_until(lambda: not _idle(page), 15, "Run All to start")
         _settled(page, RUN_TIMEOUT_S, "Run All to finish")
 
         nb = _notebook_json(page)
-        assert _error_outputs(nb) == [], "error outputs after Run All"
+        assert error_outputs(nb) == [], "error outputs after Run All"
         code = [c for c in nb["cells"] if c["cell_type"] == "code" and "".join(c["source"]).strip()
                 and "skip-execution" not in c.get("metadata", {}).get("tags", [])]
         ran = sum(1 for c in code if c.get("execution_count"))
@@ -274,7 +205,7 @@ def test_explorers_in_classic_notebook(lesson, classic, page):
 
         explorers = page.locator(EXPLORER)
         try:  # views render a moment after the kernel went idle
-            _wait_until(lambda: explorers.count() > 0, 30, "an explorer (image and slider) to render")
+            wait_until(lambda: explorers.count() > 0, 30, "an explorer (image and slider) to render")
         finally:
             text = page.locator("#notebook-container").inner_text()
             bad = BAD_TEXT.search(text)
@@ -285,7 +216,7 @@ def test_explorers_in_classic_notebook(lesson, classic, page):
             image = explorer.locator("img.widget-image").first
             handle = explorer.locator(".widget-slider .ui-slider-handle").first
             assert handle.count(), f"explorer {i}: no jQuery UI slider handle"
-            before = _wait_until(lambda image=image: (b := image.evaluate(IMAGE_BYTES_JS))["digest"] and b, 15,
+            before = wait_until(lambda image=image: (b := image.evaluate(IMAGE_BYTES_JS))["digest"] and b, 15,
                                  f"explorer {i}'s image")
             assert before["png"], f"explorer {i}: its image is not a PNG ({before['src'][:60]})"
             handle.scroll_into_view_if_needed()
@@ -296,7 +227,7 @@ def test_explorers_in_classic_notebook(lesson, classic, page):
                 now = image.evaluate(IMAGE_BYTES_JS)
                 return now["digest"] not in ("", before["digest"]) and now
             try:
-                after = _wait_until(changed, SLIDER_TIMEOUT_S, "the plot to redraw", interval_s=0.3)
+                after = wait_until(changed, SLIDER_TIMEOUT_S, "the plot to redraw", interval_s=0.3)
             except AssertionError as exc:
                 raise AssertionError(f"explorer {i}: slider moved (ArrowRight), but its image did not change within "
                                      f"{SLIDER_TIMEOUT_S} s. It shows:\n{explorer.inner_text()}") from exc
@@ -306,7 +237,7 @@ def test_explorers_in_classic_notebook(lesson, classic, page):
             bad = BAD_TEXT.search(text) or re.search(r"Traceback|\u26a0", text)
             assert not bad, f"explorer {i}: after the slider moved it shows {bad.group(0)!r}:\n{text[-3000:]}"
 
-        assert _error_outputs(_notebook_json(page)) == [], "error outputs after using the explorers"
+        assert error_outputs(_notebook_json(page)) == [], "error outputs after using the explorers"
         assert console_errors == [], "the browser console reported errors"
     finally:
         shots.mkdir(parents=True, exist_ok=True)

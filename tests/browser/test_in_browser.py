@@ -20,13 +20,14 @@ import json
 import re
 import time
 
+from jupyter_pages import error_outputs, wait_until
+
 OPEN_TIMEOUT_MS = 60_000
 # How long a plot may take to redraw after a slider moved, and a launch button to answer (real processes).
 SLIDER_TIMEOUT_S = 30
 LAUNCH_TIMEOUT_S = 180
 BAD_TEXT = re.compile(r"Error displaying widget|model not found|Failed to load model class|"
                       r"Loading widget|Could not render", re.IGNORECASE)
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
 BUTTON_LABEL = re.compile(r"launch|\brun\b", re.IGNORECASE)
 NOTEBOOK = ".jp-NotebookPanel:not(.lm-mod-hidden)"
 
@@ -49,17 +50,6 @@ def _kernel_idle(page) -> bool:
     return page.locator(f"{NOTEBOOK} .jp-Notebook-ExecutionIndicator[data-status='idle']").count() > 0
 
 
-def _wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(interval_s)
-
-
 def _kernel_ready(page) -> bool:
     """The status bar names a kernel and says it is idle (the toolbar says "idle" before any kernel exists)."""
     texts = page.locator(".jp-StatusBar-TextItem").all_inner_texts()
@@ -74,7 +64,7 @@ def _wait_idle(page, timeout_s: float, what: str) -> None:
             return False
         time.sleep(0.5)
         return _kernel_idle(page)
-    _wait_until(settled, timeout_s, what)
+    wait_until(settled, timeout_s, what)
 
 
 def _menu(page, menu: str, item: str) -> None:
@@ -87,7 +77,7 @@ def _menu(page, menu: str, item: str) -> None:
 def _run_all(page, timeout_s: float) -> None:
     """Run > Run All Cells, then wait until no cell is queued and the kernel is idle (it stops at an error)."""
     _menu(page, "Run", "Run All Cells")
-    _wait_until(lambda: any(re.fullmatch(r"\[(\*|\d+)\]:", p) for p in _prompts(page)), 15,
+    wait_until(lambda: any(re.fullmatch(r"\[(\*|\d+)\]:", p) for p in _prompts(page)), 15,
                 "Run All to start (no cell was queued)")
 
     def finished():
@@ -96,7 +86,7 @@ def _run_all(page, timeout_s: float) -> None:
         time.sleep(0.5)  # idle between two cells is not the end: it must stay idle with nothing queued
         return not any("*" in p for p in _prompts(page)) and _kernel_idle(page)
     try:
-        _wait_until(finished, timeout_s, "Run All to finish")
+        wait_until(finished, timeout_s, "Run All to finish")
     except AssertionError as exc:  # say where it stopped: a hang is otherwise hard to find again
         raise AssertionError(f"{exc}; {_where_it_stopped(page)}") from None
 
@@ -128,19 +118,7 @@ def _save_and_read(page, lab, name: str) -> dict:
             return json.loads(path.read_text())
         except json.JSONDecodeError:  # caught half-written: try again
             return None
-    return _wait_until(saved, 30, "the notebook to be saved")
-
-
-def _error_outputs(nb: dict) -> list[str]:
-    found = []
-    for index, cell in enumerate(nb["cells"]):
-        if "raises-exception" in cell.get("metadata", {}).get("tags", []):
-            continue
-        for output in cell.get("outputs", []):
-            if output.get("output_type") == "error":
-                trace = ANSI.sub("", "\n".join(output.get("traceback", [])[-3:]))
-                found.append(f"cell {index}: {output.get('ename')}: {output.get('evalue')}\n{trace}")
-    return found
+    return wait_until(saved, 30, "the notebook to be saved")
 
 
 def _notebook_text(page) -> str:
@@ -213,7 +191,7 @@ def _exercise_widgets(page, record: dict) -> None:
             now = image.evaluate(IMAGE_DIGEST_JS) if image else output.inner_text()
             return now not in ("", before)
         try:
-            _wait_until(changed, timeout, "an answer", interval_s=0.3)
+            wait_until(changed, timeout, "an answer", interval_s=0.3)
             _wait_idle(page, timeout, "the kernel to finish")
         except AssertionError as exc:
             raise AssertionError(f"widget output {i}: {' and '.join(done)}, but its {'plot' if image else 'text'} "
@@ -239,7 +217,7 @@ def test_notebook_in_browser(notebook, page, lab, results, screenshots, executed
         page.goto(f"{lab.url}/lab/workspaces/{notebook.stem}/tree/{name}?reset&token={lab.token}",
                   wait_until="domcontentloaded")
         page.wait_for_selector(f"{NOTEBOOK} .jp-Notebook", timeout=OPEN_TIMEOUT_MS)
-        _wait_until(lambda: _kernel_ready(page), OPEN_TIMEOUT_MS / 1000, "the notebook's kernel to be ready")
+        wait_until(lambda: _kernel_ready(page), OPEN_TIMEOUT_MS / 1000, "the notebook's kernel to be ready")
         record["open_s"] = time.monotonic() - start
 
         start = time.monotonic()
@@ -247,14 +225,14 @@ def test_notebook_in_browser(notebook, page, lab, results, screenshots, executed
         record["run_s"] = time.monotonic() - start
         saved = _save_and_read(page, lab, name)
         (executed / name).write_text(json.dumps(saved, indent=1))
-        assert _error_outputs(saved) == [], "error outputs after Run All"
+        assert error_outputs(saved) == [], "error outputs after Run All"
         # Counted in the saved file, not the page: a collapsed cell (source hidden) shows no input prompt.
         ran = sum(1 for c in saved["cells"] if c["cell_type"] == "code" and c.get("execution_count"))
         expected = _code_cells_to_run(source)
         assert ran >= expected, f"Run All ran {ran} of {expected} code cells"
         views = _widget_views(saved)
         try:  # widget views render asynchronously, a moment after the kernel went idle
-            _wait_until(lambda: _widget_outputs(page).count() == views, 15, f"{views} widget(s) to render")
+            wait_until(lambda: _widget_outputs(page).count() == views, 15, f"{views} widget(s) to render")
         finally:
             bad = BAD_TEXT.search(_notebook_text(page))
             assert not bad, f"the notebook shows {bad.group(0)!r} after Run All"
@@ -262,7 +240,7 @@ def test_notebook_in_browser(notebook, page, lab, results, screenshots, executed
         _exercise_widgets(page, record)
         bad = BAD_TEXT.search(_notebook_text(page))
         assert not bad, f"the notebook shows {bad.group(0)!r} after using its widgets"
-        assert _error_outputs(_save_and_read(page, lab, name)) == [], "error outputs after using the widgets"
+        assert error_outputs(_save_and_read(page, lab, name)) == [], "error outputs after using the widgets"
         assert console_errors == [], "the browser console reported errors"
         record["total_s"] = time.monotonic() - opened
     finally:
